@@ -1,0 +1,45 @@
+# Two commands on a fresh machine:  make demo  and  make test  (each installs first).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+DEMO_DATA := data/demo_en_ro
+DEMO_MODEL := data/demo_t5
+# the demo and the tests never touch the network
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export HF_EVALUATE_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install demo demo-data demo-model test clean
+
+install: $(STAMP)
+
+# torch first, pinned: its CPU build lies on local disk, while an unpinned torch pulled in by a
+# dependency is a multi-GB CUDA download. Redone only when the package metadata changes.
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH)
+	$(PY) -m pip install --quiet -e '.[test]' $(TORCH)
+	touch $(STAMP)
+
+$(DEMO_DATA)/train.source: | $(STAMP)
+	$(PY) scripts/make_demo_data.py --out_dir $(DEMO_DATA)
+
+$(DEMO_MODEL)/config.json: $(DEMO_DATA)/train.source
+	$(PY) scripts/build_demo_model.py --data_dir $(DEMO_DATA) --out_dir $(DEMO_MODEL)
+
+demo-data: $(DEMO_DATA)/train.source
+demo-model: $(DEMO_MODEL)/config.json
+
+demo: install demo-model
+	$(PY) scripts/finetune_trainer.py configs/demo.json
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf output/demo $(DEMO_DATA) $(DEMO_MODEL)

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Fine-tune a seq2seq model (translation or summarization) with the Hugging Face Trainer.
+
+One process:
+    python scripts/finetune_trainer.py --model_name_or_path data/demo_t5 --data_dir data/demo_en_ro \
+        --task translation_en_to_ro --output_dir output/demo --do_train --do_eval --do_predict \
+        --predict_with_generate --use_cpu
+
+Several processes, data parallel (gloo on CPU; NCCL on GPUs):
+    torchrun --nproc_per_node 2 scripts/finetune_trainer.py ...same flags...
+
+A JSON file of arguments, flags after it overriding it (`make demo` runs this):
+    python scripts/finetune_trainer.py configs/demo.json --num_train_epochs 1
+
+Every Seq2SeqTrainingArguments flag works, plus trainer_shard's --sharded_ddp and --offload.
+Writes train_results.json, val_results.json, test_results.json, all_results.json and
+test_generations.txt to --output_dir.
+"""
+
+import logging
+import sys
+
+import torch.distributed as dist
+import transformers
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
+
+from trainer_shard import ShardedSeq2SeqTrainer
+from trainer_shard.errors import TrainerShardError
+from trainer_shard.finetune import (
+    count_parameters,
+    freeze_params,
+    load_pairs,
+    parse_args,
+    resolve_checkpoint,
+    source_prefix,
+    tokenize_splits,
+    write_generations,
+)
+from trainer_shard.metrics import build_compute_metrics, decode
+
+logger = logging.getLogger("finetune_trainer")
+
+
+def main(argv=None) -> dict:
+    # parse and check everything before anything is written
+    model_args, data_args, training_args = parse_args(argv)
+    setup_logging(training_args)
+    pairs = load_pairs(data_args, training_args)
+    checkpoint = resolve_checkpoint(data_args, training_args)
+    set_seed(training_args.seed)
+
+    # build
+    config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
+    )
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir)
+    freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
+    total, trainable = count_parameters(model)
+    logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
+    datasets = tokenize_splits(pairs, tokenizer, data_args, source_prefix(data_args, config))
+    pad_label = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
+    trainer = ShardedSeq2SeqTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=datasets.get("train"),
+        eval_dataset=datasets.get("val"),
+        data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=pad_label),
+        processing_class=tokenizer,
+        compute_metrics=build_compute_metrics(tokenizer, data_args.task) if training_args.predict_with_generate else None,
+    )
+
+    results = {}
+    if training_args.do_train:
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        trainer.save_model()
+        metrics = dict(train_result.metrics, train_n_objs=len(datasets["train"]))
+        save_metrics(trainer, "train", metrics, results)
+        trainer.save_state()
+
+    if training_args.do_eval:
+        metrics = trainer.evaluate(
+            metric_key_prefix="val", max_length=data_args.val_max_target_length, num_beams=data_args.eval_beams
+        )
+        save_metrics(trainer, "val", dict(metrics, val_n_objs=len(datasets["val"])), results)
+
+    if training_args.do_predict:
+        output = trainer.predict(
+            datasets["test"],
+            metric_key_prefix="test",
+            max_length=data_args.test_max_target_length,
+            num_beams=data_args.eval_beams,
+        )
+        save_metrics(trainer, "test", dict(output.metrics, test_n_objs=len(datasets["test"])), results)
+        if training_args.predict_with_generate and trainer.is_world_process_zero():
+            ids = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+            write_generations(f"{training_args.output_dir}/test_generations.txt", decode(tokenizer, ids))
+
+    if trainer.is_world_process_zero():
+        print_summary(results, training_args.output_dir)
+    return results
+
+
+def setup_logging(training_args) -> None:
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%H:%M:%S", handlers=[logging.StreamHandler(sys.stdout)]
+    )
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    transformers.utils.logging.set_verbosity(level)
+    logging.getLogger("trainer_shard").setLevel(level)
+    logger.info("process rank %s of %s, device %s", training_args.process_index, training_args.world_size, training_args.device)
+
+
+def save_metrics(trainer, split: str, metrics: dict, results: dict) -> None:
+    trainer.log_metrics(split, metrics)
+    trainer.save_metrics(split, metrics)  # {split}_results.json and all_results.json
+    results.update(metrics)
+
+
+def print_summary(results: dict, output_dir: str) -> None:
+    keys = ["train_loss", "train_runtime", "val_loss", "val_bleu", "val_chrf", "test_loss", "test_bleu", "test_chrf", "test_gen_len"]
+    shown = [(k, results[k]) for k in keys if k in results]
+    width = max((len(k) for k, _ in shown), default=0)
+    print(f"\n***** results (all in {output_dir}/all_results.json) *****")
+    for key, value in shown:
+        print(f"  {key:<{width}} = {value:.4f}" if isinstance(value, float) else f"  {key:<{width}} = {value}")
+
+
+def run(argv=None) -> int:
+    try:
+        main(argv)
+    except TrainerShardError as e:
+        print(f"finetune_trainer.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

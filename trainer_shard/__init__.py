@@ -1,0 +1,20 @@
+"""trainer_shard: ZeRO-style sharding and offload for the Hugging Face Trainer, driven by flags."""
+
+from .args import ShardedDDPOption, ShardedSeq2SeqTrainingArguments, ShardedTrainingArguments
+from .errors import ArgumentError, DataError, DistributedSetupError, TrainerShardError
+from .trainer import ShardedSeq2SeqTrainer, ShardedTrainer, ShardedTrainerMixin
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "DataError",
+    "DistributedSetupError",
+    "ShardedDDPOption",
+    "ShardedSeq2SeqTrainer",
+    "ShardedSeq2SeqTrainingArguments",
+    "ShardedTrainer",
+    "ShardedTrainerMixin",
+    "ShardedTrainingArguments",
+    "TrainerShardError",
+]

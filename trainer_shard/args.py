@@ -1,0 +1,208 @@
+"""The two flags trainer_shard adds to TrainingArguments: `--sharded_ddp` and `--offload`.
+
+    --sharded_ddp "zero_dp_2 offload"   space-separated options, as in transformers 4.x
+    --offload configs/offload_cpu.json  the offload engine's JSON config
+
+Both are parsed and checked in `__post_init__`, so a bad value stops the run at parse time,
+before any output is written. Every problem is collected and reported at once.
+
+[Note: unbuilt options] The options are the whole planned surface. Those whose engine is not in
+this release are refused with a message saying so, never accepted and ignored:
+`BUILT_OPTIONS` lists what works; a release that adds an engine adds its option there.
+"""
+
+import enum
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+from .errors import ArgumentError
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedDDPOption(str, enum.Enum):
+    SIMPLE = "simple"  # ZeRO-1: optimizer state partitioned, gradients all-reduced
+    ZERO_DP_2 = "zero_dp_2"  # ZeRO-2: gradients reduce-scattered into shards too
+    ZERO_DP_3 = "zero_dp_3"  # ZeRO-3: parameters partitioned too
+    OFFLOAD = "offload"  # CPU offload with the default offload config
+    AUTO_WRAP = "auto_wrap"  # wrap submodules for parameter sharding (ZeRO-3 only)
+
+
+STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3)
+
+# See [Note: unbuilt options].
+BUILT_OPTIONS = frozenset()
+OFFLOAD_BUILT = False
+
+_NOT_BUILT = {
+    ShardedDDPOption.SIMPLE: "the ZeRO-1 sharded optimizer",
+    ShardedDDPOption.ZERO_DP_2: "the ZeRO-2 sharded optimizer and gradient reducer",
+    ShardedDDPOption.ZERO_DP_3: "parameter sharding (ZeRO-3)",
+    ShardedDDPOption.OFFLOAD: "the offload engine",
+    ShardedDDPOption.AUTO_WRAP: "parameter sharding (ZeRO-3), which auto_wrap configures",
+}
+
+
+def parse_sharded_ddp(value) -> tuple[list, list]:
+    """`"zero_dp_2 offload"` (or a list of strings) -> (options, problems). Pure, no torch."""
+    if value is None or value is False or value == "":
+        return [], []
+    if isinstance(value, str):
+        words = value.replace(",", " ").split()
+    elif isinstance(value, (list, tuple)):
+        words = value
+    else:
+        return [], [f"--sharded_ddp must be a string of space-separated options, got {value!r}"]
+    options, problems = [], []
+    allowed = ", ".join(o.value for o in ShardedDDPOption)
+    for word in words:
+        if isinstance(word, ShardedDDPOption):
+            option = word
+        elif isinstance(word, str) and word in ShardedDDPOption._value2member_map_:
+            option = ShardedDDPOption(word)
+        else:
+            problems.append(f"--sharded_ddp: unknown option {word!r}; the options are: {allowed}")
+            continue
+        if option not in options:
+            options.append(option)
+    return options, problems + _combination_problems(options)
+
+
+def _combination_problems(options) -> list:
+    problems = []
+    strategies = [o for o in options if o in STRATEGIES]
+    if len(strategies) > 1:
+        names = " and ".join(o.value for o in strategies)
+        problems.append(f"--sharded_ddp: {names} are different sharding strategies; pick one of them")
+    if ShardedDDPOption.OFFLOAD in options and not strategies:
+        problems.append(
+            "--sharded_ddp: 'offload' needs a strategy to offload from, e.g. --sharded_ddp 'zero_dp_2 offload'; "
+            "to offload with no sharding, pass --offload CONFIG.json instead"
+        )
+    if ShardedDDPOption.AUTO_WRAP in options and ShardedDDPOption.ZERO_DP_3 not in options:
+        problems.append(
+            "--sharded_ddp: 'auto_wrap' wraps submodules for parameter sharding and means nothing without it; "
+            "use it only as --sharded_ddp 'zero_dp_3 auto_wrap', or drop it"
+        )
+    return problems
+
+
+def _offload_problems(path, options) -> list:
+    if path is None or path == "":
+        return []
+    config = Path(path)
+    if not config.exists():
+        return [f"--offload: config file {str(config)!r} does not exist; pass the path of a JSON config"]
+    if not config.is_file():
+        return [f"--offload: {str(config)!r} is not a file; pass the path of a JSON config"]
+    if ShardedDDPOption.OFFLOAD in options:
+        return [
+            "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
+            "and drop 'offload' from --sharded_ddp"
+        ]
+    return []
+
+
+def _peer_problems(args, options) -> list:
+    problems = []
+    if options and getattr(args, "deepspeed", None):
+        problems.append("--sharded_ddp and --deepspeed both shard the optimizer; use one of them")
+    if args.offload and getattr(args, "deepspeed", None):
+        problems.append("--offload and --deepspeed both manage offload; use one of them")
+    if options and getattr(args, "fsdp", None):
+        problems.append("--sharded_ddp and --fsdp are two sharding engines; use one of them")
+    return problems
+
+
+def _unbuilt_problems(options, offload) -> list:
+    problems = [
+        f"--sharded_ddp {o.value}: {_NOT_BUILT[o]} is not in this release of trainer_shard; "
+        "drop the option to train with plain data parallel"
+        for o in options
+        if o not in BUILT_OPTIONS
+    ]
+    if offload and not OFFLOAD_BUILT:
+        problems.append(
+            "--offload: the offload engine is not in this release of trainer_shard; drop --offload to train "
+            "with everything in device memory"
+        )
+    return problems
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    return bool(xpu is not None and xpu.is_available())
+
+
+def _distributed_problems(args) -> list:
+    """See the trap in DESIGN.md: under torchrun without GPUs the Trainer must be told `use_cpu`.
+
+    Without it each rank trains alone (or shards the data but never wraps the model), silently.
+    """
+    if world_size_from_env() <= 1:
+        return []
+    if not has_accelerator() and not args.use_cpu:
+        logger.warning(
+            "WORLD_SIZE=%s and no GPU: setting use_cpu=True so that the ranks train together on gloo",
+            world_size_from_env(),
+        )
+        args.use_cpu = True
+    if args.use_cpu and args.ddp_backend not in (None, "gloo", "ccl", "mpi"):
+        return [f"--ddp_backend {args.ddp_backend} cannot run on the CPU; use --ddp_backend gloo (or leave it unset)"]
+    return []
+
+
+@dataclass
+class ShardingArguments:
+    """The fields and checks shared by both argument classes. Mix in before TrainingArguments."""
+
+    sharded_ddp: str = field(
+        default="",
+        metadata={
+            "help": "Sharded data parallel, space-separated options: 'simple' (ZeRO-1: optimizer state sharded), "
+            "'zero_dp_2' (ZeRO-2: gradients sharded too), 'zero_dp_3' (parameters sharded too), 'offload' "
+            "(CPU offload, with a strategy), 'auto_wrap' (with zero_dp_3). Example: --sharded_ddp 'zero_dp_2 offload'."
+        },
+    )
+    offload: str | None = field(
+        default=None,
+        metadata={"help": "Path of a JSON offload config (a DeepSpeed-compatible subset); see configs/README.md."},
+    )
+
+    def __post_init__(self):
+        options, problems = parse_sharded_ddp(self.sharded_ddp)
+        problems += _offload_problems(self.offload, options)
+        problems += _peer_problems(self, options)
+        problems += _distributed_problems(self)
+        if not problems:
+            problems = _unbuilt_problems(options, self.offload)
+        if problems:
+            raise ArgumentError(problems)
+        self.sharded_ddp = options
+        super().__post_init__()
+
+    @property
+    def sharding_enabled(self) -> bool:
+        return bool(self.sharded_ddp) or bool(self.offload)
+
+
+@dataclass
+class ShardedTrainingArguments(ShardingArguments, TrainingArguments):
+    """`TrainingArguments` plus `--sharded_ddp` and `--offload`."""
+
+
+@dataclass
+class ShardedSeq2SeqTrainingArguments(ShardingArguments, Seq2SeqTrainingArguments):
+    """`Seq2SeqTrainingArguments` plus `--sharded_ddp` and `--offload`."""

@@ -1,0 +1,273 @@
+"""Embedded default data set and model for ``trainer_shard`` (no network needed).
+
+The demo task is English-to-Romanian translation of number phrases, e.g.::
+
+    source: two hundred and thirty-four
+    target: două sute treizeci și patru
+
+:func:`make_demo_data` writes the data set in the classic seq2seq layout
+(``{train,val,test}.{source,target}``) and :func:`build_demo_model` trains a
+byte-level BPE tokenizer on it and saves a small, randomly initialised
+``T5ForConditionalGeneration`` next to it.  Both are deterministic for fixed
+arguments and never touch the Hugging Face hub.  Source lines are stored
+without the task prefix; the prefix lives in the model config under
+``task_specific_params["translation_en_to_ro"]["prefix"]`` like in t5-small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_MAX_NUMBER = 999_999
+SPLITS = ("train", "val", "test")
+TASK = "translation_en_to_ro"
+PREFIX = "translate English to Romanian: "
+SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2
+GENERATION_MAX_LENGTH = 64
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _number_pair(n: int) -> tuple[str, str]:
+    """Return the (English, Romanian) phrases for the integer ``n``."""
+    from num2words import num2words
+
+    source = num2words(n, lang="en")
+    target = num2words(n, lang="ro")
+    for line in (source, target):
+        if "\n" in line or "\r" in line:
+            raise RuntimeError(f"num2words produced a line break for {n}: {line!r}")
+    return source, target
+
+
+def _sample_numbers(total: int, max_number: int, seed: int) -> list[int]:
+    """Sample ``total`` distinct integers from ``[0, max_number]`` deterministically."""
+    population = max_number + 1
+    if total > population:
+        raise ValueError(
+            f"requested {total} examples (train + val + test) but only {population} "
+            f"distinct numbers exist in [0, {max_number}]; lower the split sizes or "
+            f"raise max_number"
+        )
+    return random.Random(seed).sample(range(population), total)
+
+
+def _write_lines(path: Path, lines: Sequence[str]) -> None:
+    """Write ``lines`` as UTF-8, one per line with '\\n' endings."""
+    path.write_bytes("".join(line + "\n" for line in lines).encode("utf-8"))
+
+
+def make_demo_data(
+    out_dir: str | Path,
+    n_train: int = 20000,
+    n_val: int = 500,
+    n_test: int = 1000,
+    seed: int = 0,
+    max_number: int | None = None,
+) -> Path:
+    """Write the English->Romanian number data set to ``out_dir`` and return it.
+
+    Numbers are drawn without replacement from ``[0, max_number]`` (default
+    ``999_999``) with ``random.Random(seed)``, so train/val/test are disjoint.
+    Raises ``ValueError`` if the sizes are negative or do not fit the range.
+    """
+    sizes = {"train": n_train, "val": n_val, "test": n_test}
+    for name, size in sizes.items():
+        if size < 0:
+            raise ValueError(f"n_{name} must be >= 0, got {size}")
+    max_number = DEFAULT_MAX_NUMBER if max_number is None else max_number
+    if max_number < 0:
+        raise ValueError(f"max_number must be >= 0, got {max_number}")
+    numbers = _sample_numbers(sum(sizes.values()), max_number, seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for split in SPLITS:
+        pairs = [_number_pair(n) for n in numbers[start : start + sizes[split]]]
+        start += sizes[split]
+        _write_lines(out / f"{split}.source", [src for src, _ in pairs])
+        _write_lines(out / f"{split}.target", [tgt for _, tgt in pairs])
+    return out
+
+
+# -------------------------------------------------------------------------- model
+
+
+def _read_lines(path: Path) -> list[str]:
+    """Read a UTF-8 file written by :func:`make_demo_data` into a list of lines."""
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def build_demo_tokenizer(data_dir: str | Path, vocab_size: int = 2000):
+    """Train a byte-level BPE tokenizer on ``train.source`` + ``train.target``.
+
+    Source lines are seen with the task prefix prepended (as the model sees
+    them), so the constant prefix becomes a handful of tokens.  Returns a ``PreTrainedTokenizerFast`` with ``<pad>``=0, ``</s>``=1,
+    ``<unk>``=2 that appends ``</s>`` to every sequence (like T5).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    data = Path(data_dir)
+    sources = [PREFIX + line for line in _read_lines(data / "train.source")]
+    texts = sources + _read_lines(data / "train.target")
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    eos_id = backend.token_to_id("</s>")
+    backend.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _check_tokenizer(tokenizer) -> None:
+    """Fail loudly if special ids or the diacritics round trip are wrong."""
+    expected = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    actual = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    if actual != expected:
+        raise RuntimeError(f"unexpected special token ids {actual}, want {expected}")
+    for text in ("două sute treizeci și patru", "Țară, înșiși"):
+        ids = tokenizer(text).input_ids
+        decoded = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if ids[-1] != expected["</s>"] or decoded != text:
+            raise RuntimeError(f"tokenizer round trip failed: {text!r} -> {decoded!r}")
+
+
+def _t5_config(vocab_size: int, **sizes):
+    """Build the ``T5Config`` of the demo model."""
+    from transformers import T5Config
+
+    return T5Config(
+        vocab_size=vocab_size,
+        feed_forward_proj="relu",
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+        task_specific_params={
+            TASK: {"prefix": PREFIX, "max_length": GENERATION_MAX_LENGTH, "num_beams": 4}
+        },
+        **sizes,
+    )
+
+
+def build_demo_model(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 2000,
+    d_model: int = 128,
+    d_ff: int = 512,
+    num_layers: int = 2,
+    num_decoder_layers: int | None = None,
+    num_heads: int = 4,
+    d_kv: int = 32,
+    dropout_rate: float = 0.0,
+    seed: int = 0,
+) -> Path:
+    """Train the tokenizer, build a fresh small T5 and save both to ``out_dir``.
+
+    ``vocab_size`` is the BPE target size; the model's vocabulary is
+    ``len(tokenizer)`` (the number-word corpus may saturate below the target).
+    The result loads offline with ``AutoTokenizer``/``AutoModelForSeq2SeqLM``.
+    """
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    tokenizer = build_demo_tokenizer(data_dir, vocab_size=vocab_size)
+    _check_tokenizer(tokenizer)
+    config = _t5_config(
+        len(tokenizer),
+        d_model=d_model,
+        d_ff=d_ff,
+        d_kv=d_kv,
+        num_layers=num_layers,
+        num_decoder_layers=num_decoder_layers,
+        num_heads=num_heads,
+        dropout_rate=dropout_rate,
+    )
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration(config)
+    model.generation_config.max_length = GENERATION_MAX_LENGTH
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+def count_parameters(model) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def make_demo_data_main(argv: Sequence[str] | None = None) -> int:
+    """CLI for :func:`make_demo_data`."""
+    parser = argparse.ArgumentParser(description=make_demo_data.__doc__.splitlines()[0])
+    parser.add_argument("--out_dir", required=True, help="directory to write the splits to")
+    parser.add_argument("--n_train", type=int, default=20000)
+    parser.add_argument("--n_val", type=int, default=500)
+    parser.add_argument("--n_test", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max_number", type=int, default=None, help=f"default {DEFAULT_MAX_NUMBER}"
+    )
+    args = parser.parse_args(argv)
+    out = make_demo_data(**vars(args))
+    print(
+        f"wrote demo data to {out}: train={args.n_train} val={args.n_val} "
+        f"test={args.n_test} (seed={args.seed})"
+    )
+    return 0
+
+
+def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
+    """CLI for :func:`build_demo_model`."""
+    parser = argparse.ArgumentParser(description=build_demo_model.__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", required=True, help="output of make_demo_data")
+    parser.add_argument("--out_dir", required=True, help="directory to save the model to")
+    parser.add_argument("--vocab_size", type=int, default=2000)
+    parser.add_argument("--d_model", type=int, default=128)
+    parser.add_argument("--d_ff", type=int, default=512)
+    parser.add_argument("--num_layers", type=int, default=2)
+    parser.add_argument("--num_decoder_layers", type=int, default=None)
+    parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--d_kv", type=int, default=32)
+    parser.add_argument("--dropout_rate", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    kwargs = vars(args)
+    data_dir, out_dir = kwargs.pop("data_dir"), kwargs.pop("out_dir")
+    out = build_demo_model(data_dir, out_dir, **kwargs)
+
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = AutoConfig.from_pretrained(out)
+    n_params = count_parameters(AutoModelForSeq2SeqLM.from_config(config))
+    print(
+        f"saved demo model to {out} (data {data_dir}): vocab={config.vocab_size} "
+        f"d_model={config.d_model} layers={config.num_layers}/{config.num_decoder_layers} "
+        f"params={n_params:,}"
+    )
+    return 0

@@ -1,0 +1,36 @@
+"""The exceptions trainer_shard raises for users' mistakes.
+
+Each message names the problem and the fix. They subclass ValueError so code written for the
+transformers Trainer, which raises ValueError for bad arguments, keeps working.
+"""
+
+
+class TrainerShardError(ValueError):
+    """Base class: a user's mistake, reported before anything is written."""
+
+
+class ArgumentError(TrainerShardError):
+    """A bad or impossible combination of command-line / TrainingArguments options.
+
+    Holds every problem found, so the user fixes them in one go.
+    """
+
+    def __init__(self, problems):
+        if isinstance(problems, str):
+            problems = [problems]
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            message = f"{len(self.problems)} problems with the arguments:\n" + "\n".join(
+                f"  - {p}" for p in self.problems
+            )
+        super().__init__(message)
+
+
+class DataError(TrainerShardError):
+    """A data file that is missing, empty, not UTF-8, or out of step with its pair."""
+
+
+class DistributedSetupError(TrainerShardError):
+    """Several processes were launched but would not train together."""
