@@ -41,7 +41,8 @@ from trainer_shard.metrics import build_compute_metrics, decode
 logger = logging.getLogger("finetune_trainer")
 
 
-def main(argv=None) -> dict:
+def main(argv=None):
+    """Parse, check, build, train, evaluate, predict, write results. Returns (trainer, metrics)."""
     # parse and check everything before anything is written
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args)
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
 
     if trainer.is_world_process_zero():
         print_summary(results, training_args.output_dir)
-    return results
+    return trainer, results
 
 
 def setup_logging(training_args) -> None:

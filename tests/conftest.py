@@ -1,0 +1,81 @@
+"""Shared fixtures: a tiny demo data set and model built once per session, offline."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "finetune_trainer.py"
+
+# Nothing in the tests reaches the network, and gloo stays on loopback.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_EVALUATE_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "GLOO_SOCKET_IFNAME": "lo",
+}
+os.environ.update(OFFLINE_ENV)
+
+TINY_MODEL = dict(vocab_size=300, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+
+# Flags for end-to-end runs that take seconds on 2 cores.
+TINY_FLAGS = [
+    "--task", "translation_en_to_ro",
+    "--max_source_length", "32", "--max_target_length", "32",
+    "--val_max_target_length", "32", "--test_max_target_length", "32",
+    "--learning_rate", "3e-3", "--report_to", "none", "--save_strategy", "no",
+    "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "7",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    from trainer_shard.demo import make_demo_data
+
+    return make_demo_data(tmp_path_factory.mktemp("data"), n_train=256, n_val=24, n_test=20, seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_data, tmp_path_factory) -> Path:
+    from trainer_shard.demo import build_demo_model
+
+    return build_demo_model(tiny_data, tmp_path_factory.mktemp("model"), **TINY_MODEL)
+
+
+def script_env() -> dict:
+    env = dict(os.environ, **OFFLINE_ENV, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a script with `python`, or under `torchrun --nproc_per_node N` when nproc > 1."""
+    if nproc > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_port", str(free_port())]  # fmt: skip
+    else:
+        launcher = [sys.executable]
+    return subprocess.run(
+        [*launcher, str(script), *map(str, args)],
+        cwd=ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"

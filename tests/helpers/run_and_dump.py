@@ -1,0 +1,23 @@
+"""Run finetune_trainer.main, then save this rank's final weights to OUTPUT_DIR/rank{RANK}.pt.
+
+Lets a test compare what every rank ends with, which the script itself saves only on rank 0.
+"""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "finetune_trainer.py"))
+try:
+    trainer, _ = script["main"](sys.argv[1:])
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.save(state, Path(trainer.args.output_dir) / f"rank{os.environ.get('RANK', '0')}.pt")
+finally:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

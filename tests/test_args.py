@@ -1,0 +1,126 @@
+"""--sharded_ddp / --offload parsing and every refusal, without a process group."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from trainer_shard import ArgumentError, ShardedDDPOption, ShardedSeq2SeqTrainingArguments, ShardedTrainingArguments
+from trainer_shard.args import _distributed_problems, parse_sharded_ddp
+
+
+def make_args(tmp_path, cls=ShardedSeq2SeqTrainingArguments, **kw):
+    return cls(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, **kw)
+
+
+@pytest.mark.parametrize("value", ["", None])
+def test_no_option_is_a_drop_in(tmp_path, value):
+    args = make_args(tmp_path, sharded_ddp=value)
+    assert args.sharded_ddp == [] and args.offload is None and not args.sharding_enabled
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("simple", ["simple"]),
+        ("zero_dp_2 offload", ["zero_dp_2", "offload"]),
+        ("zero_dp_3,auto_wrap", ["zero_dp_3", "auto_wrap"]),
+        (["zero_dp_2"], ["zero_dp_2"]),
+        ("simple simple", ["simple"]),
+    ],
+)
+def test_valid_options_parse(value, expected):
+    options, problems = parse_sharded_ddp(value)
+    assert [o.value for o in options] == expected and problems == []
+    assert all(isinstance(o, ShardedDDPOption) for o in options)
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("zero2", "unknown option 'zero2'"),
+        ("simple zero_dp_2", "simple and zero_dp_2 are different sharding strategies"),
+        ("zero_dp_2 zero_dp_3", "pick one"),
+        ("offload", "'offload' needs a strategy"),
+        ("zero_dp_2 auto_wrap", "'auto_wrap' wraps submodules for parameter sharding"),
+        (3, "must be a string"),
+    ],
+)
+def test_bad_options_are_named(value, fragment):
+    _, problems = parse_sharded_ddp(value)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_all_problems_reported_at_once(tmp_path):
+    with pytest.raises(ArgumentError) as e:
+        make_args(tmp_path, sharded_ddp="zero2 offload", offload=str(tmp_path / "missing.json"))
+    message = str(e.value)
+    assert "3 problems" in message
+    assert "unknown option 'zero2'" in message and "needs a strategy" in message and "missing.json" in message
+
+
+@pytest.mark.parametrize("option", ["simple", "zero_dp_2", "zero_dp_3", "zero_dp_2 offload", "zero_dp_3 auto_wrap"])
+@pytest.mark.parametrize("cls", [ShardedTrainingArguments, ShardedSeq2SeqTrainingArguments])
+def test_unbuilt_options_are_refused_not_ignored(tmp_path, cls, option):
+    with pytest.raises(ArgumentError, match="not in this release of trainer_shard"):
+        make_args(tmp_path, cls=cls, sharded_ddp=option)
+    assert not (tmp_path / "out").exists()
+
+
+def test_offload_missing_file_is_named(tmp_path):
+    with pytest.raises(ArgumentError, match="config file .*nope.json' does not exist"):
+        make_args(tmp_path, offload=str(tmp_path / "nope.json"))
+
+
+def test_offload_directory_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="is not a file"):
+        make_args(tmp_path, offload=str(tmp_path))
+
+
+def test_offload_existing_config_is_refused_until_engine_lands(tmp_path):
+    config = tmp_path / "offload.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    with pytest.raises(ArgumentError, match="offload engine is not in this release"):
+        make_args(tmp_path, offload=str(config))
+
+
+def test_offload_twice_is_refused(tmp_path):
+    config = tmp_path / "offload.json"
+    config.write_text("{}")
+    with pytest.raises(ArgumentError, match="both ask for offload"):
+        make_args(tmp_path, offload=str(config), sharded_ddp="zero_dp_2 offload")
+
+
+def test_sharded_ddp_with_fsdp_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="--sharded_ddp and --fsdp"):
+        make_args(tmp_path, sharded_ddp="simple", fsdp="full_shard")
+
+
+def test_error_is_a_value_error(tmp_path):
+    # code written for the transformers Trainer catches ValueError for bad arguments
+    with pytest.raises(ValueError):
+        make_args(tmp_path, sharded_ddp="bogus")
+
+
+def fake_args(**kw):
+    return SimpleNamespace(**{"use_cpu": False, "ddp_backend": None, **kw})
+
+
+def test_world_size_without_gpu_sets_use_cpu(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("trainer_shard.args.has_accelerator", lambda: False)
+    args = fake_args()
+    assert _distributed_problems(args) == [] and args.use_cpu is True
+
+
+def test_one_process_is_left_alone(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = fake_args()
+    assert _distributed_problems(args) == [] and args.use_cpu is False
+
+
+def test_nccl_on_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("trainer_shard.args.has_accelerator", lambda: False)
+    problems = _distributed_problems(fake_args(ddp_backend="nccl"))
+    assert problems and "--ddp_backend nccl cannot run on the CPU" in problems[0]

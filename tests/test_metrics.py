@@ -1,0 +1,30 @@
+"""The shipped evaluate metric module and compute_metrics, offline."""
+
+import numpy as np
+import pytest
+from transformers import EvalPrediction
+
+from trainer_shard.metrics import build_compute_metrics, load_seq2seq_metric
+
+
+def test_metric_module_loads_offline_and_scores():
+    metric = load_seq2seq_metric("translation_en_to_ro")
+    refs = ["două sute treizeci și patru de mii", "o sută cincizeci și unu de mii"]
+    perfect = metric.compute(predictions=refs, references=refs)
+    assert perfect["bleu"] == pytest.approx(100.0) and perfect["chrf"] == pytest.approx(100.0)
+    worse = metric.compute(predictions=["două sute", "o sută"], references=refs)
+    assert worse["bleu"] < 50 and worse["chrf"] < perfect["chrf"]
+
+
+def test_compute_metrics_decodes_ignored_labels(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    texts = ["două sute treizeci și patru de mii", "o sută"]
+    ids = tokenizer(texts, padding=True, return_tensors="np")["input_ids"]
+    labels = np.where(ids == tokenizer.pad_token_id, -100, ids)
+    preds = np.concatenate([np.zeros((2, 1), dtype=ids.dtype), ids], axis=1)  # decoder start + text
+    metrics = build_compute_metrics(tokenizer, "translation_en_to_ro")(EvalPrediction(preds, labels))
+    assert metrics["bleu"] == pytest.approx(100.0)
+    expected_len = np.count_nonzero(ids != tokenizer.pad_token_id, axis=1).mean()
+    assert metrics["gen_len"] == pytest.approx(expected_len)
