@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from transformers import AutoModelForSeq2SeqLM
 
 from conftest import ROOT, TINY_FLAGS, assert_ok, run_script

@@ -28,3 +28,11 @@ def test_compute_metrics_decodes_ignored_labels(tiny_model):
     assert metrics["bleu"] == pytest.approx(100.0)
     expected_len = np.count_nonzero(ids != tokenizer.pad_token_id, axis=1).mean()
     assert metrics["gen_len"] == pytest.approx(expected_len)
+
+
+def test_generated_lengths_stop_at_first_eos():
+    from trainer_shard.metrics import generated_lengths
+
+    # decoder start 0, text, eos 1, then beam search's eos padding or pad padding
+    preds = np.array([[0, 5, 6, 1, 1, 1], [0, 5, 6, 7, 8, 1], [0, 5, 1, 0, 0, 0], [0, 5, 6, 7, 8, 9]])
+    assert generated_lengths(preds, pad_id=0, eos_id=1).tolist() == [3, 5, 2, 5]

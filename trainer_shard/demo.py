@@ -17,6 +17,7 @@ without the task prefix; the prefix lives in the model config under
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 from pathlib import Path
 from typing import Sequence
@@ -106,8 +107,9 @@ def build_demo_tokenizer(data_dir: str | Path, vocab_size: int = 2000):
     """Train a byte-level BPE tokenizer on ``train.source`` + ``train.target``.
 
     Source lines are seen with the task prefix prepended (as the model sees
-    them), so the constant prefix becomes a handful of tokens.  Returns a ``PreTrainedTokenizerFast`` with ``<pad>``=0, ``</s>``=1,
-    ``<unk>``=2 that appends ``</s>`` to every sequence (like T5).
+    them), so the constant prefix becomes a handful of tokens.  Returns a
+    ``PreTrainedTokenizerFast`` with ``<pad>``=0, ``</s>``=1, ``<unk>``=2 that
+    appends ``</s>`` to every sequence (like T5).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -222,14 +224,19 @@ def count_parameters(model) -> int:
 # ---------------------------------------------------------------------------- CLI
 
 
+def _defaults(func) -> dict[str, object]:
+    """Default values of ``func``'s keyword parameters (single source of truth)."""
+    params = inspect.signature(func).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
 def make_demo_data_main(argv: Sequence[str] | None = None) -> int:
     """CLI for :func:`make_demo_data`."""
+    d = _defaults(make_demo_data)
     parser = argparse.ArgumentParser(description=make_demo_data.__doc__.splitlines()[0])
     parser.add_argument("--out_dir", required=True, help="directory to write the splits to")
-    parser.add_argument("--n_train", type=int, default=20000)
-    parser.add_argument("--n_val", type=int, default=500)
-    parser.add_argument("--n_test", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    for name in ("n_train", "n_val", "n_test", "seed"):
+        parser.add_argument(f"--{name}", type=int, default=d[name], help=f"default {d[name]}")
     parser.add_argument(
         "--max_number", type=int, default=None, help=f"default {DEFAULT_MAX_NUMBER}"
     )
@@ -244,18 +251,19 @@ def make_demo_data_main(argv: Sequence[str] | None = None) -> int:
 
 def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
     """CLI for :func:`build_demo_model`."""
+    d = _defaults(build_demo_model)
     parser = argparse.ArgumentParser(description=build_demo_model.__doc__.splitlines()[0])
     parser.add_argument("--data_dir", required=True, help="output of make_demo_data")
     parser.add_argument("--out_dir", required=True, help="directory to save the model to")
-    parser.add_argument("--vocab_size", type=int, default=2000)
-    parser.add_argument("--d_model", type=int, default=128)
-    parser.add_argument("--d_ff", type=int, default=512)
-    parser.add_argument("--num_layers", type=int, default=2)
-    parser.add_argument("--num_decoder_layers", type=int, default=None)
-    parser.add_argument("--num_heads", type=int, default=4)
-    parser.add_argument("--d_kv", type=int, default=32)
-    parser.add_argument("--dropout_rate", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    for name in ("vocab_size", "d_model", "d_ff", "num_layers", "num_heads", "d_kv", "seed"):
+        parser.add_argument(f"--{name}", type=int, default=d[name], help=f"default {d[name]}")
+    parser.add_argument(
+        "--num_decoder_layers", type=int, default=None, help="default: same as --num_layers"
+    )
+    parser.add_argument(
+        "--dropout_rate", type=float, default=d["dropout_rate"],
+        help=f"default {d['dropout_rate']}",
+    )
     args = parser.parse_args(argv)
     kwargs = vars(args)
     data_dir, out_dir = kwargs.pop("data_dir"), kwargs.pop("out_dir")

@@ -37,10 +37,25 @@ def build_compute_metrics(tokenizer, task: str):
         preds = np.where(preds < 0, pad_id, preds)
         pred_str, label_str = decode(tokenizer, preds), decode(tokenizer, labels)
         result = metric.compute(predictions=pred_str, references=label_str)
-        result["gen_len"] = float(np.mean(np.count_nonzero(preds != pad_id, axis=-1)))
+        result["gen_len"] = float(np.mean(generated_lengths(preds, pad_id, tokenizer.eos_token_id)))
         return {k: round(float(v), 4) for k, v in result.items()}
 
     return compute_metrics
+
+
+def generated_lengths(preds, pad_id: int, eos_id: int | None) -> np.ndarray:
+    """Tokens each row generated: after the decoder start token, up to and including the first eos.
+
+    Beam search pads finished rows with eos, not pad, so counting non-pad tokens would give
+    every row of a batch the longest row's length.
+    """
+    body = np.asarray(preds)[:, 1:]
+    keep = body != pad_id
+    if eos_id is not None:
+        is_eos = body == eos_id
+        after_first_eos = np.cumsum(is_eos, axis=1) - is_eos > 0
+        keep &= ~after_first_eos
+    return keep.sum(axis=1)
 
 
 def decode(tokenizer, ids) -> list:
