@@ -124,3 +124,10 @@ def test_nccl_on_cpu_is_refused(monkeypatch):
     monkeypatch.setattr("trainer_shard.args.has_accelerator", lambda: False)
     problems = _distributed_problems(fake_args(ddp_backend="nccl"))
     assert problems and "--ddp_backend nccl cannot run on the CPU" in problems[0]
+
+
+def test_sortish_sampler_groups_by_length(tmp_path):
+    assert make_args(tmp_path, sortish_sampler=True).train_sampling_strategy == "group_by_length"
+    assert make_args(tmp_path).train_sampling_strategy == "random"
+    with pytest.raises(ArgumentError, match="--sortish_sampler and --train_sampling_strategy sequential disagree"):
+        make_args(tmp_path, sortish_sampler=True, train_sampling_strategy="sequential")

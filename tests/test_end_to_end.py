@@ -104,7 +104,8 @@ def test_bad_input_stops_before_writing(tiny_model, tiny_data, tmp_path, extra, 
 def test_resume_from_checkpoint(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "out"
     common = flags(tiny_model, tiny_data, out, "--do_train", "--use_cpu", "--max_steps", "6",
-                   "--per_device_train_batch_size", "8", "--save_strategy", "steps", "--save_steps", "3")  # fmt: skip
+                   "--per_device_train_batch_size", "8", "--save_strategy", "steps", "--save_steps", "3",
+                   "--sortish_sampler")  # fmt: skip
     assert_ok(run_script(common))
     straight = load_file(out / "model.safetensors")
     # a new run without --resume_from_checkpoint must not train over the saved checkpoints

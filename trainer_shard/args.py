@@ -205,4 +205,19 @@ class ShardedTrainingArguments(ShardingArguments, TrainingArguments):
 
 @dataclass
 class ShardedSeq2SeqTrainingArguments(ShardingArguments, Seq2SeqTrainingArguments):
-    """`Seq2SeqTrainingArguments` plus `--sharded_ddp` and `--offload`."""
+    """`Seq2SeqTrainingArguments` plus `--sharded_ddp` and `--offload`.
+
+    `--sortish_sampler` is still a Seq2SeqTrainingArguments field in transformers 5 but nothing
+    reads it; here it means what it meant: batches of similar lengths, drawn in random order,
+    which is the Trainer's `train_sampling_strategy="group_by_length"` today.
+    """
+
+    def __post_init__(self):
+        if self.sortish_sampler:
+            if self.train_sampling_strategy not in ("random", "group_by_length"):
+                raise ArgumentError(
+                    f"--sortish_sampler and --train_sampling_strategy {self.train_sampling_strategy} disagree; "
+                    "pass only one of them"
+                )
+            self.train_sampling_strategy = "group_by_length"
+        super().__post_init__()
