@@ -22,6 +22,9 @@ import random
 from pathlib import Path
 from typing import Sequence
 
+from .data import read_lines
+from .finetune import count_parameters
+
 DEFAULT_MAX_NUMBER = 999_999
 SPLITS = ("train", "val", "test")
 TASK = "translation_en_to_ro"
@@ -98,11 +101,6 @@ def make_demo_data(
 # -------------------------------------------------------------------------- model
 
 
-def _read_lines(path: Path) -> list[str]:
-    """Read a UTF-8 file written by :func:`make_demo_data` into a list of lines."""
-    return path.read_text(encoding="utf-8").splitlines()
-
-
 def build_demo_tokenizer(data_dir: str | Path, vocab_size: int = 2000):
     """Train a byte-level BPE tokenizer on ``train.source`` + ``train.target``.
 
@@ -115,8 +113,8 @@ def build_demo_tokenizer(data_dir: str | Path, vocab_size: int = 2000):
     from transformers import PreTrainedTokenizerFast
 
     data = Path(data_dir)
-    sources = [PREFIX + line for line in _read_lines(data / "train.source")]
-    texts = sources + _read_lines(data / "train.target")
+    sources = [PREFIX + line for line in read_lines(data / "train.source")]
+    texts = sources + read_lines(data / "train.target")
     backend = Tokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     backend.decoder = decoders.ByteLevel()
@@ -216,11 +214,6 @@ def build_demo_model(
     return out
 
 
-def count_parameters(model) -> int:
-    """Number of distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -272,7 +265,7 @@ def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
     config = AutoConfig.from_pretrained(out)
-    n_params = count_parameters(AutoModelForSeq2SeqLM.from_config(config))
+    n_params, _ = count_parameters(AutoModelForSeq2SeqLM.from_config(config))
     print(
         f"saved demo model to {out} (data {data_dir}): vocab={config.vocab_size} "
         f"d_model={config.d_model} layers={config.num_layers}/{config.num_decoder_layers} "
