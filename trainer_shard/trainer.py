@@ -9,6 +9,7 @@ seed and data give bit-identical weights. What it always adds is the distributed
 launched on several processes that would not train together stops with a clear error.
 """
 
+import functools
 import inspect
 import logging
 
@@ -88,6 +89,17 @@ class ShardedTrainerMixin:
             # accumulation, where the Trainer's scaling factors are both 1.
             logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", type(model).__name__)
             self.model_accepts_loss_kwargs = False
+
+    def evaluation_loop(self, *args, **kwargs):
+        # Seq2SeqTrainer.evaluate/predict (transformers 5.x) switch the gather to
+        # `accelerator.gather`, which keeps the samples that the even-batches sharding repeats to
+        # fill the last batch, and the loop no longer truncates to the dataset length: with N
+        # ranks, predictions, labels, loss and BLEU then include duplicates. `gather_for_metrics`
+        # drops them. On one process the two are the same.
+        self.gather_function = functools.partial(
+            self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+        )
+        return super().evaluation_loop(*args, **kwargs)
 
 
 class ShardedTrainer(ShardedTrainerMixin, Trainer):
