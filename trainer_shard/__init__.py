@@ -1,7 +1,8 @@
 """trainer_shard: ZeRO-style sharding and offload for the Hugging Face Trainer, driven by flags."""
 
 from .args import ShardedDDPOption, ShardedSeq2SeqTrainingArguments, ShardedTrainingArguments
-from .errors import ArgumentError, DataError, DistributedSetupError, TrainerShardError
+from .errors import ArgumentError, DataError, DistributedSetupError, ShardingError, TrainerShardError
+from .sharding import ShardedOptimizer
 from .trainer import ShardedSeq2SeqTrainer, ShardedTrainer, ShardedTrainerMixin
 
 __version__ = "0.1.0"
@@ -11,10 +12,12 @@ __all__ = [
     "DataError",
     "DistributedSetupError",
     "ShardedDDPOption",
+    "ShardedOptimizer",
     "ShardedSeq2SeqTrainer",
     "ShardedSeq2SeqTrainingArguments",
     "ShardedTrainer",
     "ShardedTrainerMixin",
     "ShardedTrainingArguments",
+    "ShardingError",
     "TrainerShardError",
 ]

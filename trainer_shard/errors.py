@@ -34,3 +34,7 @@ class DataError(TrainerShardError):
 
 class DistributedSetupError(TrainerShardError):
     """Several processes were launched but would not train together."""
+
+
+class ShardingError(TrainerShardError):
+    """An optimizer, model or parameter set the sharded optimizer cannot work with."""

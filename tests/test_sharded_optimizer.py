@@ -1,0 +1,210 @@
+"""ShardedOptimizer on 2 gloo ranks against plain DDP + the local optimizer."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import spawn
+from trainer_shard import ShardingError
+from trainer_shard.sharding import ShardedOptimizer
+
+pytestmark = pytest.mark.multiproc
+
+
+def make_model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 50)
+    )
+    return model.to(dtype)
+
+
+def groups(model, **first):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1, **first}, {"params": rest, "weight_decay": 0.0}]
+
+
+def batch(rank, step, micro):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randint(0, 50, (4, 6), generator=g)
+
+
+def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, 50).float(), tokens[:, 1:].reshape(-1))
+
+
+def run_steps(model, opt, rank, *, steps=4, accumulation=2, clip=0.5, sharded=False):
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accumulation):
+            loss = loss_fn(model, batch(rank, step, micro)) / accumulation
+            loss.backward()
+            total += loss.item()
+        if sharded:
+            norm = opt.clip_grad_norm(clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append((total, float(norm)))
+    return losses
+
+
+def check_parity(rank, world_size, stage):
+    reference = DDP(make_model())
+    ref_opt = torch.optim.AdamW(groups(reference.module), lr=3e-2)
+    ours = make_model(seed=0 if rank == 0 else 7)  # rank 0's weights must win: the constructor broadcasts them
+    opt = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=stage, bucket_numel=300, lr=3e-2)
+    model = DDP(ours) if stage == 1 else ours
+    ref_losses = run_steps(reference, ref_opt, rank)
+    our_losses = run_steps(model, opt, rank, sharded=True)
+    for (l1, n1), (l2, n2) in zip(ref_losses, our_losses):
+        assert abs(l1 - l2) < 1e-6 and abs(n1 - n2) < 1e-5, (ref_losses, our_losses)
+    for (name, p), q in zip(reference.module.named_parameters(), ours.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{name}: {(p - q).abs().max()}"
+    # every rank ends with the same weights
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    assert all(torch.equal(gathered[0], g) for g in gathered)
+    # the state of one rank is half the local optimizer's
+    assert opt.shard_bytes()["optimizer_state"] <= 0.51 * sum(
+        v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values() if v.dim() > 0
+    )
+    # consolidate -> the local optimizer's state; load it back into a fresh sharded optimizer
+    opt.consolidate_state_dict(to=0)
+    fresh = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=stage, bucket_numel=300, lr=3e-2)
+    if rank == 0:
+        full = opt.state_dict()
+        reference_state = ref_opt.state_dict()
+        for pid, saved in reference_state["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.allclose(full["state"][pid][key], saved[key], atol=1e-7), (pid, key)
+            assert float(full["state"][pid]["step"]) == float(saved["step"])
+        objects = [full]
+    else:
+        objects = [None]
+    dist.broadcast_object_list(objects, src=0)
+    fresh.load_state_dict(objects[0])
+    for flat, fresh_flat in zip(opt.flats, fresh.flats):
+        saved, loaded = opt.optim.state[flat.master], fresh.optim.state[fresh_flat.master]
+        assert saved.keys() == loaded.keys()
+        assert all(torch.equal(saved[key], loaded[key]) for key in saved), rank
+        assert torch.equal(flat.master, fresh_flat.master)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parity_with_ddp(stage):
+    spawn(check_parity, 2, stage)
+
+
+def check_bf16(rank, world_size, stage):
+    """bf16 model, fp32 masters: the same as DDP in bf16 with an fp32 master copy stepped locally."""
+    reference = DDP(make_model(dtype=torch.bfloat16))
+    masters = [p.detach().float().clone().requires_grad_() for p in reference.module.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=3e-2, weight_decay=0.0)
+    ours = make_model(dtype=torch.bfloat16)
+    opt = ShardedOptimizer(ours.parameters(), optim=torch.optim.AdamW, stage=stage, lr=3e-2, weight_decay=0.0)
+    model = DDP(ours) if stage == 1 else ours
+    for step in range(3):
+        for m in (reference, model):
+            loss_fn(m, batch(rank, step, 0)).backward()
+        for master, p in zip(masters, reference.module.parameters()):
+            master.grad = p.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        reference.zero_grad()
+        with torch.no_grad():
+            for master, p in zip(masters, reference.module.parameters()):
+                p.copy_(master)
+        opt.step()
+        opt.zero_grad()
+    assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
+    assert opt.flats[0].master.dtype == torch.float32
+    for p, q in zip(reference.module.parameters(), ours.parameters()):
+        assert torch.equal(p, q), (p.float() - q.float()).abs().max()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_masters(stage):
+    spawn(check_bf16, 2, stage)
+
+
+def check_fp16_overflow_agreed(rank, world_size):
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=2, lr=0.1, loss_scaler=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = opt.loss_scaler.scale
+    loss = opt.loss_scaler.scale_loss(loss_fn(model, batch(rank, 0, 0)))
+    if rank == 1:
+        loss = loss * float("inf")  # overflow on one rank only
+    loss.backward()
+    opt.step()
+    assert opt.step_was_skipped and opt.loss_scaler.scale == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.loss_scaler.scale_loss(loss_fn(model, batch(rank, 1, 0))).backward()
+    opt.step()
+    assert not opt.step_was_skipped
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fp16_overflow_skips_on_every_rank():
+    spawn(check_fp16_overflow_agreed, 2)
+
+
+def check_unused_and_outside_edits(rank, world_size):
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2, bucket_numel=100, lr=1e-2)
+    # a forward that skips the embedding: its bucket is flushed with zeros at the end of backward
+    model[3](model[2](model[1](torch.randn(3, 16)))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    # weights changed behind the optimizer's back are followed, not overwritten
+    new = make_model(seed=5).state_dict()
+    model.load_state_dict(new)
+    loss_fn(model, batch(rank, 0, 0)).backward()
+    opt.step()
+    assert (model[0].weight - new["0.weight"]).abs().max() < 0.05  # one small step away, not the old weights
+
+
+def test_unused_parameters_and_outside_edits():
+    spawn(check_unused_and_outside_edits, 2)
+
+
+def test_world_size_one_without_process_group():
+    model = make_model()
+    opt = ShardedOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, stage=2)
+    loss_fn(model, batch(0, 0, 0)).backward()
+    before = model[1].weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model[1].weight)
+
+
+def test_refusals():
+    model = make_model()
+    with pytest.raises(ShardingError, match="cannot shard Adafactor: it factors"):
+        ShardedOptimizer(model.parameters(), optim=torch.optim.Adafactor)
+    with pytest.raises(ShardingError, match="needs the optimizer class"):
+        ShardedOptimizer(model.parameters())
+    with pytest.raises(ShardingError, match="stage must be 1"):
+        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=3, lr=0.1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ShardingError, match="no trainable parameter"):
+        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+
+
+def check_mismatch(rank, world_size):
+    model = torch.nn.Linear(4 + rank, 3)
+    with pytest.raises(ShardingError, match="parameters differ across ranks"):
+        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+
+
+def test_mismatched_models_refused_before_any_step():
+    spawn(check_mismatch, 2)

@@ -1,0 +1,79 @@
+"""The collectives trainer_shard uses, behind one thin seam.
+
+Every function takes the process group (None: the default group) and works without
+torch.distributed at all on one process, so the optimizer runs unchanged in a plain loop.
+gloo and NCCL both need equal-sized chunks for reduce-scatter and all-gather: callers pad
+(see `sharding.partition`).
+
+[Note: collective calls] Every function here is a collective: all ranks of the group must call
+it, in the same order, with tensors of the same size, or the job hangs.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+
+def is_distributed(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank_and_size(group=None) -> tuple:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+# torch 2.10 renamed the tensor collectives (the old names warn).
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class _Done:
+    """The handle of a collective that had nothing to do (one process)."""
+
+    def wait(self):
+        return None
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Sum `input` over ranks; rank r receives chunk r into `output`. See [Note: collective calls]."""
+    if not is_distributed(group):
+        output.copy_(input)
+        return _Done() if async_op else None
+    with record_function("trainer_shard::reduce_scatter"):
+        return _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+    """Concatenate every rank's `input` into `output`. See [Note: collective calls]."""
+    if not is_distributed(group):
+        output.copy_(input)
+        return _Done() if async_op else None
+    with record_function("trainer_shard::all_gather"):
+        return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """In place; SUM unless `op` says otherwise. See [Note: collective calls]."""
+    if is_distributed(group):
+        with record_function("trainer_shard::all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src_rank: int = 0, group=None) -> torch.Tensor:
+    """`src_rank` is the rank within `group`. See [Note: collective calls]."""
+    if is_distributed(group):
+        with record_function("trainer_shard::broadcast"):
+            dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group else src_rank, group=group)
+    return tensor
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's picklable `obj`, in rank order. See [Note: collective calls]."""
+    if not is_distributed(group):
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

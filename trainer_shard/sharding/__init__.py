@@ -1,0 +1,6 @@
+"""ZeRO-1/ZeRO-2 sharding: partition -> flat buffers -> gradient reducer -> ShardedOptimizer."""
+
+from .optimizer import ShardedOptimizer
+from .scaler import DynamicLossScaler, ShardedGradScaler
+
+__all__ = ["DynamicLossScaler", "ShardedGradScaler", "ShardedOptimizer"]

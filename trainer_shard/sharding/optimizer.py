@@ -1,0 +1,396 @@
+"""`ShardedOptimizer`: ZeRO-1 and ZeRO-2 around any elementwise torch optimizer.
+
+    model = DDP(model)                       # ZeRO-1 (stage=1): gradients all-reduced by DDP
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+    # or, ZeRO-2: no DDP; gradients reduce-scattered by hooks as backward runs
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-3)
+    loss.backward(); opt.clip_grad_norm(1.0); opt.step(); opt.zero_grad()
+
+Each rank steps only its shard of every parameter group: fp32 master weights, fp32 gradients
+and the inner optimizer's state live for that shard alone (see `flat.FlatGroup`); after the
+step the updated shards are all-gathered back into the model's parameters (in their own dtype,
+bf16 or fp16 for mixed precision).
+
+[Note: collective methods] The constructor, `add_param_group`, `step`, `clip_grad_norm`,
+`consolidate_state_dict` and `load_state_dict` are collectives: call them on every rank, in the
+same order, or the job hangs.
+"""
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .. import comm
+from ..errors import ShardingError
+from .flat import FlatGroup
+from .partition import plan_layout
+from .reducer import GradReducer
+from .scaler import DynamicLossScaler
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_NUMEL = 2**24  # 16 M elements: 32 MB of bf16 / 64 MB of fp32 gradients a bucket
+
+# Optimizers whose update of each element depends only on that element's own gradient and state,
+# so that stepping flat shards equals stepping whole tensors.
+ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD"}
+
+_NOT_ELEMENTWISE = {
+    "Adafactor": "it factors the second moment over each weight matrix's rows and columns",
+    "LBFGS": "it takes whole-model line-search steps",
+    "SparseAdam": "it needs sparse gradients",
+}
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """See the module docstring. Constructor as `ZeroRedundancyOptimizer` and fairscale's `OSS`.
+
+    Args:
+        params: tensors or param-group dicts, as for any torch optimizer.
+        optim: the optimizer class to shard (`optimizer_class=` is an alias).
+        group: the process group (default: the world).
+        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        bucket_numel: elements per communication bucket.
+        loss_scaler: a `DynamicLossScaler` for fp16 (or True for the default one).
+        assume_elementwise: shard an optimizer not in `ELEMENTWISE` anyway, on your word.
+        **defaults: the inner optimizer's arguments (lr, betas, weight_decay, fused...).
+    """
+
+    def __init__(self, params, optim=None, group=None, *, optimizer_class=None, stage: int = 1,
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, loss_scaler=None, assume_elementwise: bool = False,
+                 **defaults):  # fmt: skip
+        self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
+        if stage not in (1, 2):
+            raise ShardingError(f"stage must be 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
+        self.stage = stage
+        self.group = group
+        self.rank, self.world_size = comm.rank_and_size(group)
+        self.bucket_numel = int(bucket_numel)
+        self.loss_scaler = DynamicLossScaler() if loss_scaler is True else loss_scaler
+        self.flats = []  # FlatGroups; `_flat_owner[i]` is the param group of flats[i]
+        self._flat_owner = []
+        self.reducer = GradReducer(group) if stage == 2 else None
+        self._building = True
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self._building = False
+        for index in range(len(self.param_groups)):
+            self._build_flats(index)
+        if not self.flats:
+            raise ShardingError("no trainable parameter: every parameter has requires_grad=False")
+        self.optim = self.optim_class([self._inner_group(i) for i in range(len(self.flats))], **self.defaults)
+        self._grads_ready = False
+        self.found_inf = False
+        self.step_was_skipped = False
+        self._consolidated = None
+
+    # ---- construction ----------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group; its parameters are flattened, checked across ranks and sharded. Collective."""
+        super().add_param_group(param_group)
+        if self._building:
+            return  # the constructor flattens every group once the inner optimizer exists
+        index = len(self.param_groups) - 1
+        first_new = len(self.flats)
+        self._build_flats(index)
+        for i in range(first_new, len(self.flats)):
+            self.optim.add_param_group(self._inner_group(i))
+
+    def _build_flats(self, index: int) -> None:
+        params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
+        _check_same_everywhere(index, params, self.group)
+        by_kind = defaultdict(list)
+        for p in params:
+            by_kind[(p.dtype, p.device)].append(p)
+        for kind_params in by_kind.values():
+            layout = plan_layout([p.numel() for p in kind_params], self.world_size, self.bucket_numel)
+            flat = FlatGroup(kind_params, layout, self.rank, self.group)
+            comm.broadcast(flat.buffer, 0, self.group)  # every rank starts from rank 0's weights
+            flat.refresh_master()
+            self.flats.append(flat)
+            self._flat_owner.append(index)
+            if self.reducer is not None:
+                self.reducer.add(flat)
+
+    def _inner_group(self, flat_index: int) -> dict:
+        hyper = {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
+        return {"params": [self.flats[flat_index].master], **hyper}
+
+    # ---- gradients -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prepare_grads(self) -> None:
+        """Bring this rank's gradient shards up to date, unscaled, and check them (once a step).
+
+        ZeRO-1 copies its slices out of the all-reduced `.grad`s; ZeRO-2 already has them.
+        With a loss scaler, divides by the scale and agrees with all ranks on overflow.
+        Collective when a loss scaler is set.
+        """
+        if self._grads_ready:
+            return
+        if self.reducer is not None and self.reducer.pending:
+            self.reducer.finish()
+        if self.stage == 1:
+            for flat in self.flats:
+                flat.copy_grads_to_shard()
+        self.found_inf = False
+        if self.loss_scaler is not None:
+            inv = 1.0 / self.loss_scaler.scale
+            bad = torch.zeros(1, device=self._device())
+            for flat in self.flats:
+                flat.grad.mul_(inv)
+                bad += (~torch.isfinite(flat.grad)).any()
+            self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
+        self._grads_ready = True
+
+    def _device(self):
+        return self.flats[0].master.device if self.flats else torch.device("cpu")
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all shards; returns the norm before clipping. Collective."""
+        self.prepare_grads()
+        norm_type = float(norm_type)
+        with record_function("trainer_shard::clip_grad_norm"):
+            if norm_type == float("inf"):
+                local = torch.stack([f.grad.abs().max() for f in self.flats]).max().reshape(1)
+                total = comm.all_reduce(local.clone(), op=torch.distributed.ReduceOp.MAX, group=self.group)[0]
+            else:
+                local = sum(f.grad.norm(norm_type) ** norm_type for f in self.flats).reshape(1).to(torch.float32)
+                total = comm.all_reduce(local.clone(), group=self.group)[0] ** (1.0 / norm_type)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for flat in self.flats:
+                flat.grad.mul_(coef)
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global 2-norm of the gradients, unclipped. Collective."""
+        return self.clip_grad_norm(float("inf"))
+
+    # ---- step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step this rank's shards, then all-gather the updated parameters. Collective."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with record_function("trainer_shard::optim_step"):
+            for flat in self.flats:
+                flat.follow_outside_edits()
+            self.prepare_grads()
+            if self.found_inf:
+                self.skip_step()
+                return loss
+            for flat_index, inner in enumerate(self.optim.param_groups):
+                outer = self.param_groups[self._flat_owner[flat_index]]
+                inner.update({k: v for k, v in outer.items() if k != "params"})
+            self.optim.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(False)
+        with record_function("trainer_shard::all_gather"):
+            for flat in self.flats:
+                flat.gather_params()
+        self.step_was_skipped = False
+        self._clear_grads()
+        return loss
+
+    def skip_step(self) -> None:
+        """Drop this step's gradients (fp16 overflow on some rank); every rank does the same."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(True)
+        logger.info("fp16 overflow: step skipped, loss scale now %s", getattr(self.loss_scaler, "scale", None))
+        self.step_was_skipped = True
+        self._clear_grads()
+
+    def _clear_grads(self) -> None:
+        for flat in self.flats:
+            flat.grad.zero_()
+        self._grads_ready = False
+        self.found_inf = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._clear_grads()
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def _param_ids(self) -> dict:
+        """{param: index} in the standard torch numbering (groups in order, params in order)."""
+        ids, n = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                ids[p] = n
+                n += 1
+        return ids
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the full optimizer state on rank `to`, in the local optimizer's format. Collective.
+
+        Afterwards `state_dict()` on rank `to` returns what the unsharded optimizer would, with
+        the fp32 master weights under "master_params" when the parameters are 16-bit.
+        """
+        ids = self._param_ids()
+        state, masters = {}, {}
+        for flat in self.flats:
+            inner = self.optim.state.get(flat.master, {})
+            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.master)), self.group)[0]
+            pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
+            pieces["__master__"] = _gather_to(flat.master, to, self.group)
+            if self.rank != to:
+                continue
+            for key, stacked in pieces.items():
+                for slot, full in zip(flat.layout.slots, _unshard(stacked, flat, self.world_size)):
+                    pid = ids[flat.params[slot.index]]
+                    if key == "__master__":
+                        masters[pid] = full
+                    else:
+                        state.setdefault(pid, {})[key] = full
+            for p in flat.params:
+                for key, value in inner.items():
+                    if key not in pieces:  # scalars such as "step": the same on every rank
+                        state.setdefault(ids[p], {})[key] = value.clone() if torch.is_tensor(value) else value
+        if self.rank == to:
+            result = {"state": state, "param_groups": self._groups_for_state_dict(ids)}
+            if any(f.dtype != torch.float32 for f in self.flats):
+                result["master_params"] = masters
+            if self.loss_scaler is not None:
+                result["loss_scaler"] = self.loss_scaler.state_dict()
+            self._consolidated = result
+        else:
+            self._consolidated = None
+
+    def _groups_for_state_dict(self, ids) -> list:
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[p] for p in g["params"]]}
+                for g in self.param_groups]  # fmt: skip
+
+    def state_dict(self) -> dict:
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to=RANK) "
+                "on every rank first, then state_dict() on RANK"
+            )
+        return self._consolidated
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a full (consolidated or local-optimizer) state dict; each rank keeps its shard."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ShardingError(
+                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        for mine, saved in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in saved.items() if k != "params"})
+        ids = self._param_ids()
+        saved_state = state_dict.get("state", {})
+        masters = state_dict.get("master_params")
+        for flat in self.flats:
+            pids = [ids[p] for p in flat.params]
+            per_param = [saved_state.get(pid, saved_state.get(str(pid), {})) for pid in pids]
+            inner = {}
+            for key in set().union(*(s.keys() for s in per_param)):
+                values = [s.get(key) for s in per_param]
+                if all(_per_element(key, v, p) for v, p in zip(values, flat.params)):
+                    inner[key] = _shard_of(values, flat)
+                elif torch.is_tensor(values[0]):
+                    inner[key] = values[0].detach().clone().to(flat.master.device)
+                else:
+                    inner[key] = values[0]
+            if inner:
+                self.optim.state[flat.master] = inner
+            if masters is not None:
+                flat.master.copy_(_shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
+            else:
+                flat.refresh_master()
+        if "loss_scaler" in state_dict and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        for flat_index, inner in enumerate(self.optim.param_groups):
+            inner.update({k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"})
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def shard_bytes(self) -> dict:
+        """Bytes this rank holds for its shards: master weights, gradients, optimizer state."""
+        state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
+                    if torch.is_tensor(v))  # fmt: skip
+        return {
+            "master": sum(f.master.numel() * f.master.element_size() for f in self.flats),
+            "grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats),
+            "optimizer_state": state,
+        }
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}, optim={self.optim!r})"
+
+
+def _resolve_class(optim, optimizer_class, assume_elementwise: bool):
+    if optim is not None and optimizer_class is not None and optim is not optimizer_class:
+        raise ShardingError("pass the optimizer class once: optim= or optimizer_class=, not both")
+    cls = optim if optim is not None else optimizer_class
+    if cls is None:
+        raise ShardingError("ShardedOptimizer needs the optimizer class to shard: optim=torch.optim.AdamW, for example")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ShardingError(f"optim must be a torch.optim.Optimizer class, got {cls!r}")
+    name = cls.__name__
+    if name in ELEMENTWISE or assume_elementwise:
+        return cls
+    why = _NOT_ELEMENTWISE.get(name, "it is not known to update each element from its own gradient and state alone")
+    raise ShardingError(
+        f"cannot shard {name}: {why}, so stepping flat shards would change its results. Sharding works with "
+        f"{', '.join(sorted(ELEMENTWISE))}; pass assume_elementwise=True if {name} is elementwise, or train without "
+        "--sharded_ddp"
+    )
+
+
+def _check_same_everywhere(index: int, params: list, group) -> None:
+    """Every rank must shard the same parameters, or collectives would mismatch and hang."""
+    mine = [(tuple(p.shape), str(p.dtype)) for p in params]
+    everyone = comm.all_gather_objects(mine, group)
+    for rank, theirs in enumerate(everyone):
+        if theirs != mine:
+            diff = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            raise ShardingError(
+                f"param group {index}: the parameters differ across ranks (rank {rank} has {len(theirs)}, this rank "
+                f"{len(mine)}; first difference at position {diff}); every rank must build the same model"
+            )
+
+
+def _per_element(key: str, value, like: torch.Tensor) -> bool:
+    """A state entry with one value per parameter element (exp_avg...), not a counter ("step")."""
+    return torch.is_tensor(value) and key != "step" and value.shape == like.shape
+
+
+def _gather_to(tensor: torch.Tensor, to: int, group):
+    """Rank `to` receives every rank's shard-sized tensor stacked [world, n]; others None."""
+    rank, world = comm.rank_and_size(group)
+    flat = tensor.detach().reshape(-1).contiguous()
+    if world == 1:
+        return flat.reshape(1, -1).clone()
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(flat) for _ in range(world)] if rank == to else None
+    dist.gather(flat, gathered, dst=dist.get_global_rank(group, to) if group else to, group=group)
+    return torch.stack(gathered) if rank == to else torch.empty(0)
+
+
+def _unshard(stacked: torch.Tensor, flat: FlatGroup, world: int) -> list:
+    """[world, shard] stacked shards -> one full tensor per parameter (shaped like it)."""
+    out = [torch.empty(p.numel(), dtype=stacked.dtype, device=stacked.device) for p in flat.params]
+    for rank in range(world):
+        for seg in flat.layout.segments(rank):
+            out[seg.index][seg.param_start : seg.param_start + seg.numel] = stacked[rank, seg.shard_start : seg.shard_start + seg.numel]
+    return [t.view(p.shape) for t, p in zip(out, flat.params)]
+
+
+def _shard_of(full_tensors: list, flat: FlatGroup) -> torch.Tensor:
+    """Per-parameter full tensors -> this rank's fp32 shard of them."""
+    shard = torch.zeros_like(flat.master)
+    for seg in flat.segments:
+        source = full_tensors[seg.index].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
+        shard[seg.shard_start : seg.shard_start + seg.numel] = source.to(shard.device, shard.dtype)
+    return shard

@@ -1,0 +1,107 @@
+"""ZeRO-2 gradient reduction: backward hooks fill buckets, each reduce-scattered when full.
+
+As each parameter's gradient is accumulated, its hook copies it into its bucket's buffer and
+frees it (`.grad = None`), so full gradients never pile up. A bucket whose parameters have all
+reported is reduce-scattered asynchronously while backward goes on; each rank receives its own
+slice, averaged over ranks, and adds it into its fp32 gradient shard. Several backward passes
+before a step (gradient accumulation) simply add up in the shard.
+
+[Note: bucket order] Collectives must be issued in the same order on every rank. Buckets are
+launched strictly in bucket order: a bucket that becomes ready before an earlier one waits for
+it. At the end of backward (an autograd engine callback) the remaining buckets are launched in
+order too, with zeros for parameters that received no gradient (unused in this forward), then
+all are waited for.
+"""
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .. import comm
+
+
+class _BucketState:
+    __slots__ = ("flat", "bucket", "remaining", "buffer")
+
+    def __init__(self, flat, bucket):
+        self.flat, self.bucket = flat, bucket
+        self.remaining = len(bucket.slots)
+        self.buffer = None
+
+    def ensure_buffer(self):
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.bucket.padded_numel, dtype=self.flat.dtype, device=self.flat.buffer.device)
+        return self.buffer
+
+
+class GradReducer:
+    def __init__(self, group=None):
+        self.group = group
+        self.world_size = comm.rank_and_size(group)[1]
+        self.flats = []
+        self.handles = []
+        self._reset()
+
+    def add(self, flat) -> None:
+        """Reduce `flat`'s gradients from now on: hooks on each of its parameters."""
+        self.flats.append(flat)
+        base = sum(len(f.layout.buckets) for f in self.flats[:-1])
+        for bucket in flat.layout.buckets:
+            for slot in bucket.slots:
+                param = flat.params[slot.index]
+                hook = self._make_hook(base + bucket.index, slot)
+                self.handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._reset()
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _reset(self) -> None:
+        self.states = [_BucketState(f, b) for f in self.flats for b in f.layout.buckets]
+        self.next_bucket = 0
+        self.in_flight = []
+        self.callback_queued = False
+
+    def _make_hook(self, state_index: int, slot):
+        def hook(param):
+            self._on_grad(state_index, slot, param)
+
+        return hook
+
+    def _on_grad(self, state_index: int, slot, param) -> None:
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.callback_queued = True
+        state = self.states[state_index]
+        start = slot.offset - state.bucket.offset
+        with torch.no_grad():
+            state.ensure_buffer()[start : start + slot.numel].copy_(param.grad.reshape(-1))
+        param.grad = None
+        state.remaining -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Launch buckets in order; with `flush`, also those still waiting for gradients."""
+        while self.next_bucket < len(self.states):
+            state = self.states[self.next_bucket]
+            if state.remaining > 0 and not flush:
+                return
+            out = torch.empty(state.bucket.shard_numel, dtype=state.flat.dtype, device=state.flat.buffer.device)
+            work = comm.reduce_scatter(out, state.ensure_buffer(), self.group, async_op=True)
+            self.in_flight.append((state, out, work))
+            self.next_bucket += 1
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait, add this rank's slices into the shards."""
+        with record_function("trainer_shard::reduce_scatter_wait"):
+            self._launch_ready(flush=True)
+            for state, out, work in self.in_flight:
+                work.wait()
+                state.flat.shard_of(state.flat.grad, state.bucket).add_(out, alpha=1.0 / self.world_size)
+        self._reset()
+
+    @property
+    def pending(self) -> bool:
+        """Gradients arrived since the last `finish` (backward still running or ended abnormally)."""
+        return self.callback_queued
