@@ -35,7 +35,7 @@ class ShardedDDPOption(str, enum.Enum):
 STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3)
 
 # See [Note: unbuilt options].
-BUILT_OPTIONS = frozenset()
+BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2})
 OFFLOAD_BUILT = False
 
 _NOT_BUILT = {

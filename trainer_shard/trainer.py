@@ -7,6 +7,16 @@
 With neither `--sharded_ddp` nor `--offload` it changes nothing the Trainer computes: the same
 seed and data give bit-identical weights. What it always adds is the distributed guard: a run
 launched on several processes that would not train together stops with a clear error.
+
+With `--sharded_ddp simple|zero_dp_2` it swaps in `ShardedOptimizer` around the optimizer the
+Trainer would have built (same class, hyperparameters and weight-decay groups):
+
+- `simple` (ZeRO-1): the model is wrapped in DDP as usual; each rank steps its shard.
+- `zero_dp_2` (ZeRO-2): no DDP; the optimizer's backward hooks reduce-scatter the gradients.
+- `--bf16` / `--fp16`: the model's parameters and gradients become 16-bit; each rank keeps fp32
+  master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
+- gradient clipping and the logged grad norm use the global norm over all shards;
+  checkpoints hold the full optimizer state, consolidated on rank 0.
 """
 
 import functools
@@ -18,8 +28,11 @@ from accelerate.utils import DistributedType
 from transformers import Seq2SeqTrainer, Trainer
 from transformers.training_args import ParallelMode
 
-from .args import world_size_from_env
+import torch
+
+from .args import ShardedDDPOption, world_size_from_env
 from .errors import DistributedSetupError
+from .sharding import ShardedGradScaler, ShardedOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +102,61 @@ class ShardedTrainerMixin:
             # accumulation, where the Trainer's scaling factors are both 1.
             logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", type(model).__name__)
             self.model_accepts_loss_kwargs = False
+
+    # ---- sharding -----------------------------------------------------------------------------
+
+    @property
+    def sharding_stage(self):
+        """1 for `--sharded_ddp simple`, 2 for `zero_dp_2`, None without sharding."""
+        options = getattr(self.args, "sharded_ddp", None) or []
+        if ShardedDDPOption.ZERO_DP_2 in options:
+            return 2
+        if ShardedDDPOption.SIMPLE in options:
+            return 1
+        return None
+
+    def create_optimizer(self, model=None):
+        stage = self.sharding_stage
+        if stage is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        self._cast_model_for_mixed_precision(model if model is not None else self.model)
+        plain = super().create_optimizer(model)
+        sharded = ShardedOptimizer.wrap(plain, stage=stage, loss_scaler=bool(self.args.fp16))
+        self.optimizer = self.sharded_optimizer = sharded
+        if self.args.fp16:
+            # accelerate scales the loss and steps through this; see ShardedGradScaler
+            self.accelerator.scaler = ShardedGradScaler(sharded)
+        if stage == 2:
+            # No DDP around the model: the optimizer's hooks reduce-scatter the gradients.
+            self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
+        logger.info("--sharded_ddp: %r", sharded)
+        return self.optimizer
+
+    def _cast_model_for_mixed_precision(self, model) -> None:
+        """16-bit parameters and gradients on the device; fp32 masters live in the optimizer shards."""
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        if dtype is not None:
+            model.to(dtype)
+
+    def _clip_grad_norm(self, model):
+        if self.sharding_stage is None:
+            return super()._clip_grad_norm(model)
+        return self.sharded_optimizer.clip_grad_norm(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.sharding_stage is not None and grad_norm is None:
+            grad_norm = self.sharded_optimizer.grad_norm()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.sharding_stage is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # The Trainer writes the optimizer state from the main process: gather it there first.
+        self.sharded_optimizer.consolidate_state_dict(to=0)
+        try:
+            super()._save_optimizer_and_scheduler(output_dir)
+        finally:
+            self.sharded_optimizer.release_consolidated()
 
     def evaluation_loop(self, *args, **kwargs):
         # Seq2SeqTrainer.evaluate/predict (transformers 5.x) switch the gather to

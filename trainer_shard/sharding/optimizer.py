@@ -16,6 +16,7 @@ bf16 or fp16 for mixed precision).
 same order, or the job hangs.
 """
 
+import inspect
 import logging
 from collections import defaultdict
 
@@ -68,7 +69,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group = group
         self.rank, self.world_size = comm.rank_and_size(group)
         self.bucket_numel = int(bucket_numel)
-        self.loss_scaler = DynamicLossScaler() if loss_scaler is True else loss_scaler
+        self.loss_scaler = DynamicLossScaler() if loss_scaler is True else (loss_scaler or None)
         self.flats = []  # FlatGroups; `_flat_owner[i]` is the param group of flats[i]
         self._flat_owner = []
         self.reducer = GradReducer(group) if stage == 2 else None
@@ -84,6 +85,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.found_inf = False
         self.step_was_skipped = False
         self._consolidated = None
+
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer, **kwargs) -> "ShardedOptimizer":
+        """Shard an already built (not yet stepped) optimizer: same class, groups and arguments."""
+        if optimizer.state:
+            raise ShardingError("wrap the optimizer before its first step: its state would be lost")
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return cls(optimizer.param_groups, optim=type(optimizer), **kwargs, **defaults)
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -267,17 +277,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": [ids[p] for p in g["params"]]}
                 for g in self.param_groups]  # fmt: skip
 
+    def release_consolidated(self) -> None:
+        """Free the state gathered by `consolidate_state_dict`."""
+        self._consolidated = None
+
     def state_dict(self) -> dict:
-        if self._consolidated is None:
-            raise RuntimeError(
-                f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to=RANK) "
-                "on every rank first, then state_dict() on RANK"
+        """The full state after `consolidate_state_dict(to=this rank)`; otherwise this rank's shard.
+
+        A shard loads back only on the same rank and world size; the full state loads anywhere.
+        """
+        if self._consolidated is not None:
+            return self._consolidated
+        return {
+            "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
+            "inner": self.optim.state_dict(),
+            "masters": [flat.master.detach().clone() for flat in self.flats],
+            "param_groups": self._groups_for_state_dict(self._param_ids()),
+            **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
+        }
+
+    def _load_shard(self, state_dict: dict) -> None:
+        shard = state_dict["shard"]
+        if (shard["rank"], shard["world_size"]) != (self.rank, self.world_size):
+            raise ShardingError(
+                f"this optimizer state is rank {shard['rank']}'s shard of {shard['world_size']}, but this is rank "
+                f"{self.rank} of {self.world_size}; load the consolidated state (consolidate_state_dict) instead"
             )
-        return self._consolidated
+        self.optim.load_state_dict(state_dict["inner"])
+        for flat, master in zip(self.flats, state_dict["masters"]):
+            flat.master.copy_(master)
+        if "loss_scaler" in state_dict and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full (consolidated or local-optimizer) state dict; each rank keeps its shard."""
+        """Load a full state (consolidated, or a local optimizer's): each rank keeps its shard of it.
+
+        Also takes the shard `state_dict()` returned on this same rank.
+        """
         groups = state_dict.get("param_groups")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups):
             raise ShardingError(
@@ -286,6 +323,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
+        if "shard" in state_dict:
+            self._load_shard(state_dict)
+            return
         ids = self._param_ids()
         saved_state = state_dict.get("state", {})
         masters = state_dict.get("master_params")

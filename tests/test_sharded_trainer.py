@@ -1,0 +1,79 @@
+"""--sharded_ddp through finetune_trainer.py: the same training as plain DDP, on 1 and 2 ranks."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
+
+DUMP = ROOT / "tests" / "helpers" / "run_and_dump.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+def train_flags(model, data, out, *extra):
+    return ["--model_name_or_path", model, "--data_dir", data, "--output_dir", out, *TINY_FLAGS, "--do_train",
+            "--max_steps", "6", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--max_grad_norm", "0.3", "--weight_decay", "0.1", *extra]  # fmt: skip
+
+
+def log(out):
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_model, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "out"
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out), nproc=2, script=DUMP))
+    return out
+
+
+@pytest.mark.parametrize("option", ["simple", "zero_dp_2"])
+def test_two_ranks_match_ddp(ddp_run, tiny_model, tiny_data, tmp_path, option):
+    out = tmp_path / "out"
+    proc = run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option), nproc=2, script=DUMP)
+    assert_ok(proc)
+    reference, rank0, rank1 = (torch.load(d / f"rank{r}.pt") for d, r in ((ddp_run, 0), (out, 0), (out, 1)))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "ranks diverged"
+    worst = max((rank0[k] - reference[k]).abs().max().item() for k in reference)
+    assert worst < 1e-6, f"{option} differs from DDP by {worst}"
+    for (loss, norm), (ref_loss, ref_norm) in zip(log(out), log(ddp_run), strict=True):
+        assert loss == pytest.approx(ref_loss, abs=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def test_one_rank_zero_dp_2_matches_plain(tiny_model, tiny_data, tmp_path):
+    outs = {}
+    for option in (None, "zero_dp_2"):
+        out = tmp_path / str(option)
+        extra = ["--use_cpu", *(["--sharded_ddp", option] if option else [])]
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra)))
+        outs[option] = load_file(out / "model.safetensors")
+    worst = max((outs[None][k] - outs["zero_dp_2"][k]).abs().max().item() for k in outs[None])
+    assert worst < 1e-6
+
+
+def test_bf16_sharded_trains_in_16_bit(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    extra = ["--sharded_ddp", "zero_dp_2", "--bf16", "--max_steps", "12"]
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP))
+    rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert all(v.dtype == torch.bfloat16 for v in rank0.values())
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    losses = [loss for loss, _ in log(out)]
+    assert losses[-1] < losses[0]
+
+
+def test_sharded_checkpoint_resumes_exactly(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_2", "--save_strategy", "steps",
+                        "--save_steps", "3")  # fmt: skip
+    assert_ok(run_script(flags, nproc=2))
+    straight = load_file(out / "model.safetensors")
+    optimizer_state = torch.load(out / "checkpoint-3" / "optimizer.pt", weights_only=True)
+    assert len(optimizer_state["state"]) == len(straight)  # the full state, every parameter's, on rank 0
+    assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
