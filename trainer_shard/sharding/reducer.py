@@ -3,8 +3,11 @@
 As each parameter's gradient is accumulated, its hook copies it into its bucket's buffer and
 frees it (`.grad = None`), so full gradients never pile up. A bucket whose parameters have all
 reported is reduce-scattered asynchronously while backward goes on; each rank receives its own
-slice, averaged over ranks, and adds it into its fp32 gradient shard. Several backward passes
-before a step (gradient accumulation) simply add up in the shard.
+slice, averaged over ranks, and adds it into its fp32 gradient shard. At most `max_in_flight`
+reductions are outstanding: launching one more first completes the oldest and frees its
+buffer, so the gradient memory beyond the shard stays at a few buckets. A bucket holding one
+parameter that needs no padding is reduced straight from its `.grad`, with no copy. Several
+backward passes before a step (gradient accumulation) simply add up in the shard.
 
 [Note: bucket order] Collectives must be issued in the same order on every rank. Buckets are
 launched strictly in bucket order: a bucket that becomes ready before an earlier one waits for
@@ -34,11 +37,14 @@ class _BucketState:
 
 
 class GradReducer:
-    def __init__(self, group=None):
+    def __init__(self, group=None, max_in_flight: int = 2):
         self.group = group
         self.world_size = comm.rank_and_size(group)[1]
+        self.max_in_flight = max(1, int(max_in_flight))
         self.flats = []
         self.handles = []
+        self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
+        self.peak_bucket_bytes = 0
         self._reset()
 
     def add(self, flat) -> None:
@@ -74,10 +80,16 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.callback_queued = True
         state = self.states[state_index]
-        start = slot.offset - state.bucket.offset
-        with torch.no_grad():
-            state.ensure_buffer()[start : start + slot.numel].copy_(param.grad.reshape(-1))
+        grad, bucket, had_buffer = param.grad, state.bucket, state.buffer is not None
         param.grad = None
+        if len(bucket.slots) == 1 and bucket.padded_numel == bucket.numel and grad.is_contiguous():
+            state.buffer = grad.view(-1)  # reduce it where it is
+        else:
+            start = slot.offset - bucket.offset
+            with torch.no_grad():
+                state.ensure_buffer()[start : start + slot.numel].copy_(grad.reshape(-1))
+        if not had_buffer:
+            self._count(state.buffer, +1)
         state.remaining -= 1
         self._launch_ready()
 
@@ -87,18 +99,32 @@ class GradReducer:
             state = self.states[self.next_bucket]
             if state.remaining > 0 and not flush:
                 return
+            if state.buffer is None:
+                self._count(state.ensure_buffer(), +1)
+            while len(self.in_flight) >= self.max_in_flight:
+                self._complete_oldest()
             out = torch.empty(state.bucket.shard_numel, dtype=state.flat.dtype, device=state.flat.buffer.device)
-            work = comm.reduce_scatter(out, state.ensure_buffer(), self.group, async_op=True)
+            work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
             self.in_flight.append((state, out, work))
             self.next_bucket += 1
 
+    def _complete_oldest(self) -> None:
+        state, out, work = self.in_flight.pop(0)
+        with record_function("trainer_shard::reduce_scatter_wait"):
+            work.wait()
+        state.flat.shard_of(state.flat.grad, state.bucket).add_(out, alpha=1.0 / self.world_size)
+        self._count(state.buffer, -1)
+        state.buffer = None
+
+    def _count(self, buffer, sign: int) -> None:
+        self.bucket_bytes += sign * buffer.numel() * buffer.element_size()
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+
     def finish(self) -> None:
         """End of backward: launch what is left, wait, add this rank's slices into the shards."""
-        with record_function("trainer_shard::reduce_scatter_wait"):
-            self._launch_ready(flush=True)
-            for state, out, work in self.in_flight:
-                work.wait()
-                state.flat.shard_of(state.flat.grad, state.bucket).add_(out, alpha=1.0 / self.world_size)
+        self._launch_ready(flush=True)
+        while self.in_flight:
+            self._complete_oldest()
         self._reset()
 
     @property
