@@ -73,6 +73,7 @@ def check_parity(rank, world_size, stage):
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     assert all(torch.equal(gathered[0], g) for g in gathered)
+    assert opt.shard_bytes()["master"] == 0  # fp32: the optimizer steps the parameters' own storage
     # the state of one rank is half the local optimizer's
     assert opt.shard_bytes()["optimizer_state"] <= 0.51 * sum(
         v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values() if v.dim() > 0
@@ -93,10 +94,11 @@ def check_parity(rank, world_size, stage):
     dist.broadcast_object_list(objects, src=0)
     fresh.load_state_dict(objects[0])
     for flat, fresh_flat in zip(opt.flats, fresh.flats):
-        saved, loaded = opt.optim.state[flat.master], fresh.optim.state[fresh_flat.master]
-        assert saved.keys() == loaded.keys()
-        assert all(torch.equal(saved[key], loaded[key]) for key in saved), rank
-        assert torch.equal(flat.master, fresh_flat.master)
+        for view, fresh_view in zip(flat.master_views, fresh_flat.master_views):
+            saved, loaded = opt.optim.state[view], fresh.optim.state[fresh_view]
+            assert saved.keys() == loaded.keys()
+            assert all(torch.equal(saved[key], loaded[key]) for key in saved), rank
+        assert torch.equal(flat.master_shard(), fresh_flat.master_shard())
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -126,7 +128,8 @@ def check_bf16(rank, world_size, stage):
         opt.step()
         opt.zero_grad()
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
-    assert opt.flats[0].master.dtype == torch.float32
+    assert opt.flats[0].master.dtype == torch.float32  # 16-bit parameters: a separate fp32 master
+    assert all(v.data_ptr() != p.data_ptr() for v in opt.flats[0].master_views for p in ours.parameters())
     for p, q in zip(reference.module.parameters(), ours.parameters()):
         assert torch.equal(p, q), (p.float() - q.float()).abs().max()
 

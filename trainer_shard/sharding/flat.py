@@ -2,15 +2,21 @@
 
 A `FlatGroup` holds the parameters of one optimizer param group that share a dtype and device.
 Their storage moves into one flat buffer (the parameters become views of it), laid out by
-`partition.plan_layout`. This rank keeps, for its shard only: the fp32 master weights and the
-fp32 gradient the inner optimizer steps.
+`partition.plan_layout`. For its shard, this rank keeps an fp32 gradient and the weights the
+inner optimizer steps, one tensor per bucket (`master_views`):
+
+- fp32 parameters: the master *is* the parameter storage (views of this rank's slices of the
+  buffer), so no weight is stored twice;
+- 16-bit parameters: a separate contiguous fp32 master shard, copied into the buffer in the
+  parameters' dtype after each step.
 
 [Note: parameters edited from outside] `load_best_model_at_end`, loading weights on resume or a
 user's `model.load_state_dict` write into the parameters in place, behind the optimizer's back.
-Each parameter's version counter moves when that happens (a parameter made a view with
-`.data = ...` keeps a counter of its own, which our all-gather into the buffer does not touch),
-and `refresh_master` then reloads the fp32 master from the buffer, so the next step does not
-put the old weights back. A parameter whose `.data` was replaced is copied back into the buffer.
+With fp32 parameters the optimizer steps that very storage, so it follows by construction. With
+a separate master, each parameter's version counter tells (a parameter made a view with
+`.data = ...` keeps a counter of its own, which the all-gather into the buffer does not touch),
+and `refresh_master` reloads the master from the buffer, so the next step does not put the old
+weights back. A parameter whose `.data` was replaced is copied back into the buffer.
 """
 
 import torch
@@ -20,7 +26,7 @@ from .partition import FlatLayout
 
 
 class FlatGroup:
-    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, master_dtype=torch.float32):
+    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None):
         self.params = params
         self.layout = layout
         self.rank = rank
@@ -32,9 +38,15 @@ class FlatGroup:
             for p, slot in zip(params, layout.slots):
                 self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self._view(slot)
-        self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=first.device)
-        self.grad = torch.zeros_like(self.master)
-        self.master.grad = self.grad
+        self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=first.device)
+        if first.dtype == torch.float32:
+            self.master = None
+            self.master_views = [self.buffer[slice(*b.slice_range(rank))] for b in layout.buckets]
+        else:
+            self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=first.device)
+            self.master_views = [self.shard_of(self.master, b) for b in layout.buckets]
+        for view, bucket in zip(self.master_views, layout.buckets):
+            view.grad = self.shard_of(self.grad, bucket)
         self.refresh_master()
 
     @property
@@ -51,29 +63,36 @@ class FlatGroup:
         """`bucket`'s slice of a shard-sized tensor (master, grad, optimizer state)."""
         return tensor[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
 
+    def master_shard(self) -> torch.Tensor:
+        """This rank's fp32 weights as one tensor (a copy when they are the parameters themselves)."""
+        return self.master if self.master is not None else torch.cat(self.master_views)
+
+    @torch.no_grad()
+    def load_master(self, shard: torch.Tensor) -> None:
+        for view, bucket in zip(self.master_views, self.layout.buckets):
+            view.copy_(self.shard_of(shard, bucket))
+
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """Master <- this rank's slices of the flat buffer. See [Note: parameters edited from outside]."""
-        for bucket in self.layout.buckets:
-            lo, hi = bucket.slice_range(self.rank)
-            self.shard_of(self.master, bucket).copy_(self.buffer[lo:hi])
+        """Master <- this rank's slices of the buffer. See [Note: parameters edited from outside]."""
+        if self.master is not None:
+            for bucket in self.layout.buckets:
+                self.shard_of(self.master, bucket).copy_(self.buffer[slice(*bucket.slice_range(self.rank))])
         self._seen_versions = self._versions()
 
     def _versions(self) -> tuple:
         return tuple(p._version for p in self.params)
 
     @torch.no_grad()
-    def follow_outside_edits(self) -> bool:
-        """Re-adopt replaced `.data` and reload the master if the buffer changed since the last gather."""
+    def follow_outside_edits(self) -> None:
+        """Re-adopt replaced `.data`; reload a separate master if parameters were written."""
         for p, slot in zip(self.params, self.layout.slots):
             view = self.buffer[slot.offset : slot.offset + slot.numel]
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != p.shape:
                 view.copy_(p.data.reshape(-1))
                 p.data = self._view(slot)
-        if self._versions() != self._seen_versions:
+        if self.master is not None and self._versions() != self._seen_versions:
             self.refresh_master()
-            return True
-        return False
 
     @torch.no_grad()
     def copy_grads_to_shard(self) -> None:
@@ -88,12 +107,13 @@ class FlatGroup:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Updated masters -> every rank's flat buffer (all-gather, bucket by bucket). Collective."""
-        same_dtype = self.master.dtype == self.buffer.dtype
+        """Updated shards -> every rank's flat buffer (all-gather, bucket by bucket). Collective."""
         works = []
-        for bucket in self.layout.buckets:
-            piece = self.shard_of(self.master, bucket)
-            piece = piece if same_dtype else piece.to(self.buffer.dtype)
+        for view, bucket in zip(self.master_views, self.layout.buckets):
+            # a separate input: the output bucket holds this rank's slice too
+            piece = view.to(self.dtype, copy=True)
             works.append((comm.all_gather(self.bucket_view(bucket), piece, self.group, async_op=True), piece))
+            if len(works) > 2:  # bound the copies alive at once
+                works.pop(0)[0].wait()
         for work, _ in works:
             work.wait()

@@ -126,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _inner_group(self, flat_index: int) -> dict:
         hyper = {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
-        return {"params": [self.flats[flat_index].master], **hyper}
+        return {"params": self.flats[flat_index].master_views, **hyper}
 
     # ---- gradients -------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._grads_ready = True
 
     def _device(self):
-        return self.flats[0].master.device if self.flats else torch.device("cpu")
+        return self.flats[0].grad.device
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -246,10 +246,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ids = self._param_ids()
         state, masters = {}, {}
         for flat in self.flats:
-            inner = self.optim.state.get(flat.master, {})
-            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.master)), self.group)[0]
+            inner = _shard_state(self.optim.state, flat)
+            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.grad)), self.group)[0]
             pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
-            pieces["__master__"] = _gather_to(flat.master, to, self.group)
+            pieces["__master__"] = _gather_to(flat.master_shard(), to, self.group)
             if self.rank != to:
                 continue
             for key, stacked in pieces.items():
@@ -291,7 +291,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
             "inner": self.optim.state_dict(),
-            "masters": [flat.master.detach().clone() for flat in self.flats],
+            "masters": [flat.master_shard().detach().clone() for flat in self.flats],
             "param_groups": self._groups_for_state_dict(self._param_ids()),
             **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
         }
@@ -305,7 +305,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         self.optim.load_state_dict(state_dict["inner"])
         for flat, master in zip(self.flats, state_dict["masters"]):
-            flat.master.copy_(master)
+            flat.load_master(master)
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -338,13 +338,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if all(_per_element(key, v, p) for v, p in zip(values, flat.params)):
                     inner[key] = _shard_of(values, flat)
                 elif torch.is_tensor(values[0]):
-                    inner[key] = values[0].detach().clone().to(flat.master.device)
+                    inner[key] = values[0].detach().clone().to(flat.grad.device)
                 else:
                     inner[key] = values[0]
-            if inner:
-                self.optim.state[flat.master] = inner
+            for view, bucket in zip(flat.master_views, flat.layout.buckets):
+                self.optim.state[view] = {
+                    k: flat.shard_of(v, bucket).clone() if _per_element(k, v, flat.grad) else
+                    (v.clone() if torch.is_tensor(v) else v) for k, v in inner.items()
+                }  # fmt: skip
             if masters is not None:
-                flat.master.copy_(_shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
+                flat.load_master(_shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
             else:
                 flat.refresh_master()
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
@@ -359,7 +362,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
                     if torch.is_tensor(v))  # fmt: skip
         return {
-            "master": sum(f.master.numel() * f.master.element_size() for f in self.flats),
+            "master": sum(f.master.numel() * f.master.element_size() for f in self.flats if f.master is not None),
             "grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats),
             "optimizer_state": state,
         }
@@ -400,6 +403,18 @@ def _check_same_everywhere(index: int, params: list, group) -> None:
             )
 
 
+def _shard_state(state: dict, flat: FlatGroup) -> dict:
+    """The inner optimizer's state for `flat`'s bucket tensors, per-element entries concatenated in shard order."""
+    per_bucket = [state.get(view, {}) for view in flat.master_views]
+    out = {}
+    for key, value in per_bucket[0].items():
+        if torch.is_tensor(value) and key != "step" and value.dim() == 1:
+            out[key] = torch.cat([s[key] for s in per_bucket])
+        else:
+            out[key] = value
+    return out
+
+
 def _per_element(key: str, value, like: torch.Tensor) -> bool:
     """A state entry with one value per parameter element (exp_avg...), not a counter ("step")."""
     return torch.is_tensor(value) and key != "step" and value.shape == like.shape
@@ -429,7 +444,7 @@ def _unshard(stacked: torch.Tensor, flat: FlatGroup, world: int) -> list:
 
 def _shard_of(full_tensors: list, flat: FlatGroup) -> torch.Tensor:
     """Per-parameter full tensors -> this rank's fp32 shard of them."""
-    shard = torch.zeros_like(flat.master)
+    shard = torch.zeros_like(flat.grad)
     for seg in flat.segments:
         source = full_tensors[seg.index].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
         shard[seg.shard_start : seg.shard_start + seg.numel] = source.to(shard.device, shard.dtype)
