@@ -41,8 +41,11 @@ from trainer_shard.metrics import build_compute_metrics, decode
 logger = logging.getLogger("finetune_trainer")
 
 
-def main(argv=None):
-    """Parse, check, build, train, evaluate, predict, write results. Returns (trainer, metrics)."""
+def main(argv=None, **trainer_kwargs):
+    """Parse, check, build, train, evaluate, predict, write results. Returns (trainer, metrics).
+
+    `trainer_kwargs` (callbacks, optimizer_cls_and_kwargs...) go to the trainer as they are.
+    """
     # parse and check everything before anything is written
     model_args, data_args, training_args = parse_args(argv)
     setup_logging(training_args)
@@ -69,6 +72,7 @@ def main(argv=None):
         data_collator=DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=pad_label),
         processing_class=tokenizer,
         compute_metrics=build_compute_metrics(tokenizer, data_args.task) if training_args.predict_with_generate else None,
+        **trainer_kwargs,
     )
 
     results = {}

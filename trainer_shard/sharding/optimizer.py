@@ -32,7 +32,7 @@ from .scaler import DynamicLossScaler
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_NUMEL = 2**24  # 16 M elements: 32 MB of bf16 / 64 MB of fp32 gradients a bucket
+DEFAULT_BUCKET_NUMEL = 2**23  # 8 M elements: 16 MB of bf16 / 32 MB of fp32 gradients a bucket
 
 # Optimizers whose update of each element depends only on that element's own gradient and state,
 # so that stepping flat shards equals stepping whole tensors.

@@ -23,17 +23,27 @@ from .. import comm
 
 
 class _BucketState:
-    __slots__ = ("flat", "bucket", "remaining", "buffer")
+    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled")
 
     def __init__(self, flat, bucket):
         self.flat, self.bucket = flat, bucket
         self.remaining = len(bucket.slots)
         self.buffer = None
+        self.filled = set()
 
     def ensure_buffer(self):
+        """The bucket's buffer; every element gets written (gradients, or zeros by `zero_missing`)."""
         if self.buffer is None:
-            self.buffer = torch.zeros(self.bucket.padded_numel, dtype=self.flat.dtype, device=self.flat.buffer.device)
+            self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.flat.dtype, device=self.flat.buffer.device)
+            self.buffer[self.bucket.numel :].zero_()
         return self.buffer
+
+    def zero_missing(self):
+        """Zeros where no gradient arrived (parameters unused in this forward)."""
+        for slot in self.bucket.slots:
+            if slot.index not in self.filled:
+                start = slot.offset - self.bucket.offset
+                self.buffer[start : start + slot.numel].zero_()
 
 
 class GradReducer:
@@ -90,6 +100,7 @@ class GradReducer:
                 state.ensure_buffer()[start : start + slot.numel].copy_(grad.reshape(-1))
         if not had_buffer:
             self._count(state.buffer, +1)
+        state.filled.add(slot.index)
         state.remaining -= 1
         self._launch_ready()
 
@@ -101,6 +112,8 @@ class GradReducer:
                 return
             if state.buffer is None:
                 self._count(state.ensure_buffer(), +1)
+            if state.remaining > 0:
+                state.zero_missing()
             while len(self.in_flight) >= self.max_in_flight:
                 self._complete_oldest()
             out = torch.empty(state.bucket.shard_numel, dtype=state.flat.dtype, device=state.flat.buffer.device)
