@@ -30,8 +30,8 @@ class Probe(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.started = time.perf_counter()
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        held = tensor_bytes([p.grad for p in model.parameters()]) + engine_grad_bytes(optimizer)
         self.grad_bytes = max(self.grad_bytes, held)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -39,7 +39,14 @@ class Probe(TrainerCallback):
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+    """Bytes of the tensors in a (possibly nested, possibly None-holding) collection."""
+    if tensors is None:
+        return 0
+    if torch.is_tensor(tensors):
+        return tensors.numel() * tensors.element_size() if tensors.dim() > 0 else 0
+    if isinstance(tensors, dict):
+        tensors = tensors.values()
+    return sum(tensor_bytes(t) for t in tensors)
 
 
 def inner_optimizer(opt):
@@ -61,21 +68,42 @@ def optimizer_state_bytes(opt) -> int:
     return sum(tensor_bytes(s.values()) for s in inner_optimizer(opt).state.values())
 
 
-def sharded_grad_bytes(trainer) -> tuple:
-    """(persistent, transient peak) gradient bytes beyond `.grad`, for the rows that keep their own."""
+def engine_grad_bytes(optimizer) -> int:
+    """Gradients an engine keeps outside `.grad`: our fp32 shard, DeepSpeed's averaged partitions."""
+    opt, seen = optimizer, set()
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        if hasattr(opt, "shard_bytes"):  # ShardedOptimizer
+            return opt.shard_bytes()["grad"]
+        if hasattr(opt, "single_partition_of_fp32_groups"):  # DeepSpeed ZeRO-1/2
+            partitions = tensor_bytes([p.grad for p in opt.single_partition_of_fp32_groups])
+            return max(partitions, tensor_bytes(getattr(opt, "averaged_gradients", None)))
+        opt = getattr(opt, "optimizer", None)
+    return 0
+
+
+def transient_bucket_bytes(trainer) -> int:
     sharded = getattr(trainer, "sharded_optimizer", None)
-    if sharded is not None:
-        reducer = sharded.reducer
-        return sharded.shard_bytes()["grad"], reducer.peak_bucket_bytes if reducer is not None else 0
-    ds = getattr(trainer, "deepspeed", None)
-    ds_opt = getattr(ds, "optimizer", None)
-    if ds_opt is not None and hasattr(ds_opt, "single_partition_of_fp32_groups"):
-        # ZeRO-2 keeps fp32 gradient partitions on its fp32 weight partitions, and fills ipg buckets
-        partitions = tensor_bytes(p.grad for p in ds_opt.single_partition_of_fp32_groups if p.grad is not None)
-        averaged = sum(tensor_bytes(g) for g in getattr(ds_opt, "averaged_gradients", {}).values())
-        ipg = tensor_bytes(getattr(ds_opt, "ipg_buffer", None) or [])
-        return max(partitions, averaged), ipg
-    return 0, 0
+    reducer = getattr(sharded, "reducer", None)
+    return reducer.peak_bucket_bytes if reducer is not None else 0
+
+
+def use_torch_zero() -> None:
+    """Seq2SeqTrainer takes no `optimizer_cls_and_kwargs`: set it as the optimizer is created."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from trainer_shard import ShardedSeq2SeqTrainer
+
+    create = ShardedSeq2SeqTrainer.create_optimizer
+
+    def create_optimizer(self, model=None):
+        kwargs = {"optimizer_class": torch.optim.AdamW, "lr": self.args.learning_rate, "fused": True}
+        self.optimizer_cls_and_kwargs = (ZeroRedundancyOptimizer, kwargs)
+        # accelerate's device placement round-trips state_dict(), which ZeRO refuses unconsolidated
+        self.accelerator.device_placement = False
+        return create(self, model)
+
+    ShardedSeq2SeqTrainer.create_optimizer = create_optimizer
 
 
 def main() -> None:
@@ -85,16 +113,10 @@ def main() -> None:
     probe = Probe()
     extra = {"callbacks": [probe]}
     if row == "torch_zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        extra["optimizer_cls_and_kwargs"] = (
-            ZeroRedundancyOptimizer,
-            {"optimizer_class": torch.optim.AdamW, "lr": 3e-4, "weight_decay": 0.01, "fused": True},
-        )
+        use_torch_zero()
     try:
         trainer, _ = script["main"](flags, **extra)
         history = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-        persistent, transient = sharded_grad_bytes(trainer)
         rank = int(os.environ.get("RANK", "0"))
         result = {
             "row": row,
@@ -104,8 +126,10 @@ def main() -> None:
             "median_step_s": median(probe.times[3:] or probe.times),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizer),
-            "grad_bytes": probe.grad_bytes + persistent,
-            "grad_transient_peak_bytes": transient,
+            # DeepSpeed steps inside accelerate's backward and frees its gradient partitions before
+            # the Trainer's pre-step hook: not observable from here
+            "grad_bytes": None if row == "deepspeed_zero2" else probe.grad_bytes,
+            "grad_transient_peak_bytes": transient_bucket_bytes(trainer),
             "final_loss": history[-1] if history else None,
         }
         result_dir.mkdir(parents=True, exist_ok=True)

@@ -120,7 +120,7 @@ def run_row(row: str, steps: int, batch: int, timeout: int) -> dict:
         "median_step_s": median(r["median_step_s"] for r in ranks),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         "optimizer_state_bytes": max(r["optimizer_state_bytes"] for r in ranks),
-        "grad_bytes": max(r["grad_bytes"] for r in ranks),
+        "grad_bytes": None if ranks[0]["grad_bytes"] is None else max(r["grad_bytes"] for r in ranks),
         "grad_transient_peak_bytes": max(r["grad_transient_peak_bytes"] for r in ranks),
         "final_loss": ranks[0]["final_loss"],
     }
@@ -159,7 +159,7 @@ def table(results: list, args) -> str:
             continue
 
         def ratio(key):
-            return f"{r[key] / base[key]:.2f}x" if base and base[key] else "-"
+            return f"{r[key] / base[key]:.2f}x" if base and base[key] and r[key] is not None else "-"
 
         lines.append(
             f"| {name} | {r['median_step_s']:.3f} | {ratio('median_step_s')} | {mb(r['peak_rss_bytes'])} "
@@ -170,7 +170,9 @@ def table(results: list, args) -> str:
         "",
         "Gradients / rank: bytes held when the optimizer steps (`.grad` tensors plus the gradient shard or "
         "partition the engine keeps). Transient buckets: the peak of gradient buckets alive at once during "
-        "backward (ZeRO-2), not included in the gradient column. DDP's own bucket copies are not counted for DDP.",
+        "backward (ZeRO-2), not included in the gradient column. DDP's own bucket copies are not counted for DDP. "
+        "DeepSpeed frees its gradient partitions inside its step, before the Trainer's hook can see them (n/a); "
+        "its peak RSS includes them.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -187,7 +189,7 @@ def plot(results: list, path: Path) -> None:
     panels = [("median_step_s", "step time (s)", 1), ("optimizer_state_bytes", "optimizer state / rank (MB)", 2**20),
               ("grad_bytes", "gradients / rank (MB)", 2**20)]  # fmt: skip
     for ax, (key, title, scale) in zip(axes, panels):
-        ax.bar(names, [r[key] / scale for r in ran], color="#4477aa")
+        ax.bar(names, [(r[key] or 0) / scale for r in ran], color="#4477aa")
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle("trainer_shard sharding, world size 2, t5-small architecture (CPU, gloo)")
