@@ -136,7 +136,7 @@ def combine(row_runs: list) -> dict:
 
 
 def mb(n) -> str:
-    return f"{n / 2**20:,.0f}"
+    return "n/a" if n is None else f"{n / 2**20:,.0f}"
 
 
 def table(results: list, args) -> str:
@@ -204,10 +204,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="run the rows this many times, interleaved")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    parser.add_argument("--render", action="store_true", help="only rewrite the table and plot from sharding.json")
     args = parser.parse_args()
     ensure_env()
     if Path(sys.prefix).resolve() != VENV.resolve():
         os.execv(str(PY), [str(PY), __file__, *sys.argv[1:]])  # the rest runs in the bench environment
+    if args.render:
+        return report(json.loads((RESULTS / "sharding.json").read_text()), args)
     ensure_model()
     runs = {row: [] for row in args.rows}
     for _ in range(args.repeats):
@@ -218,7 +221,12 @@ def main() -> None:
     results = [combine(row_runs) for row_runs in runs.values()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "sharding.json").write_text(json.dumps(results, indent=1))
-    text = "# Sharding benchmark\n\nCommand: `python bench/sharding.py " + " ".join(sys.argv[1:]) + "`\n\n" + table(results, args)
+    report(results, args)
+
+
+def report(results: list, args) -> None:
+    command = " ".join(a for a in sys.argv[1:] if a != "--render")
+    text = f"# Sharding benchmark\n\nCommand: `python bench/sharding.py {command}`\n\n" + table(results, args)
     (RESULTS / "sharding.md").write_text(text)
     plot(results, RESULTS / "sharding.png")
     print(text)

@@ -1,6 +1,6 @@
 """ShardedOptimizer on 2 gloo ranks against plain DDP + the local optimizer."""
 
-import copy
+import contextlib
 
 import pytest
 import torch
@@ -211,3 +211,27 @@ def check_mismatch(rank, world_size):
 
 def test_mismatched_models_refused_before_any_step():
     spawn(check_mismatch, 2)
+
+
+def check_no_sync_accumulation(rank, world_size):
+    """Accumulating in `.grad` under no_sync gives the same step as accumulating in the shards."""
+    results = []
+    for use_no_sync in (False, True):
+        model = make_model()
+        opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2, bucket_numel=200, lr=1e-2)
+        for step in range(2):
+            for micro in range(3):
+                last = micro == 2
+                with opt.no_sync() if use_no_sync and not last else contextlib.nullcontext():
+                    (loss_fn(model, batch(rank, step, micro)) / 3).backward()
+                if use_no_sync and not last:
+                    assert model[1].weight.grad is not None  # kept, not communicated
+            opt.step()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-6), (a - b).abs().max()
+
+
+def test_no_sync_matches_accumulating_in_shards():
+    spawn(check_no_sync_accumulation, 2)

@@ -16,6 +16,7 @@ bf16 or fp16 for mixed precision).
 same order, or the job hangs.
 """
 
+import contextlib
 import inspect
 import logging
 from collections import defaultdict
@@ -178,6 +179,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the gradients, unclipped. Collective."""
         return self.clip_grad_norm(float("inf"))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """ZeRO-2: backward passes in this context keep their gradients in `.grad` (full size) and
+        communicate nothing; the next backward outside it reduces the accumulated sum once.
+        ZeRO-1 leaves gradient reduction to DDP: use DDP's own `no_sync` there."""
+        if self.reducer is None:
+            yield
+            return
+        previous, self.reducer.sync = self.reducer.sync, False
+        try:
+            yield
+        finally:
+            self.reducer.sync = previous
 
     # ---- step ------------------------------------------------------------------------------
 

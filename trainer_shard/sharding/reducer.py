@@ -7,7 +7,9 @@ slice, averaged over ranks, and adds it into its fp32 gradient shard. At most `m
 reductions are outstanding: launching one more first completes the oldest and frees its
 buffer, so the gradient memory beyond the shard stays at a few buckets. A bucket holding one
 parameter that needs no padding is reduced straight from its `.grad`, with no copy. Several
-backward passes before a step (gradient accumulation) simply add up in the shard.
+backward passes before a step (gradient accumulation) simply add up in the shard; or, inside `no_sync()`, the
+gradients stay in `.grad` (full size, as DDP's `no_sync`) and are reduced once, on the
+backward that syncs.
 
 [Note: bucket order] Collectives must be issued in the same order on every rank. Buckets are
 launched strictly in bucket order: a bucket that becomes ready before an earlier one waits for
@@ -53,6 +55,7 @@ class GradReducer:
         self.max_in_flight = max(1, int(max_in_flight))
         self.flats = []
         self.handles = []
+        self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
         self._reset()
@@ -86,6 +89,8 @@ class GradReducer:
         return hook
 
     def _on_grad(self, state_index: int, slot, param) -> None:
+        if not self.sync:
+            return  # accumulate in `.grad` until the micro-step that syncs
         if not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.callback_queued = True
