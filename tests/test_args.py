@@ -137,3 +137,9 @@ def test_sortish_sampler_groups_by_length(tmp_path):
     assert make_args(tmp_path).train_sampling_strategy == "random"
     with pytest.raises(ArgumentError, match="--sortish_sampler and --train_sampling_strategy sequential disagree"):
         make_args(tmp_path, sortish_sampler=True, train_sampling_strategy="sequential")
+
+
+def test_unshardable_optimizer_refused_at_parse_time(tmp_path):
+    with pytest.raises(ArgumentError, match="--optim adafactor cannot be sharded"):
+        make_args(tmp_path, sharded_ddp="zero_dp_2", optim="adafactor")
+    assert make_args(tmp_path, optim="adafactor").optim == "adafactor"  # fine without sharding

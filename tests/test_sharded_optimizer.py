@@ -235,3 +235,27 @@ def check_no_sync_accumulation(rank, world_size):
 
 def test_no_sync_matches_accumulating_in_shards():
     spawn(check_no_sync_accumulation, 2)
+
+
+def check_add_param_group(rank, world_size):
+    """A group added after construction is flattened, sharded and stepped like the first."""
+    reference = DDP(make_model())
+    ref_opt = torch.optim.SGD(reference.module[1].parameters(), lr=0.1, momentum=0.9)
+    ref_opt.add_param_group({"params": reference.module[3].parameters(), "lr": 0.05})
+    ours = make_model()
+    opt = ShardedOptimizer(ours[1].parameters(), optim=torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
+    opt.add_param_group({"params": ours[3].parameters(), "lr": 0.05})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["lr"] == 0.05
+    ours[0].weight.requires_grad_(False)  # the embedding is in no group
+    for step in range(3):
+        for model, o in ((reference, ref_opt), (ours, opt)):
+            loss_fn(model, batch(rank, step, 0)).backward()
+            o.step()
+            o.zero_grad()
+            model.zero_grad()
+    for p, q in zip(reference.module.parameters(), ours.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_add_param_group():
+    spawn(check_add_param_group, 2)

@@ -55,10 +55,13 @@ def test_one_rank_zero_dp_2_matches_plain(tiny_model, tiny_data, tmp_path):
     assert worst < 1e-6
 
 
-def test_bf16_sharded_trains_in_16_bit(tiny_model, tiny_data, tmp_path):
+def test_bf16_sharded_trains_and_generates_in_16_bit(tiny_model, tiny_data, tmp_path):
     out = tmp_path / "out"
-    extra = ["--sharded_ddp", "zero_dp_2", "--bf16", "--max_steps", "12"]
+    extra = ["--sharded_ddp", "zero_dp_2", "--bf16", "--max_steps", "12",
+             "--do_eval", "--predict_with_generate", "--n_val", "10"]  # fmt: skip
     assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP))
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["val_n_objs"] == 10 and "val_bleu" in results and "val_loss" in results
     rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
     assert all(v.dtype == torch.bfloat16 for v in rank0.values())
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)

@@ -115,7 +115,17 @@ def _peer_problems(args, options) -> list:
         problems.append("--offload and --deepspeed both manage offload; use one of them")
     if options and getattr(args, "fsdp", None):
         problems.append("--sharded_ddp and --fsdp are two sharding engines; use one of them")
+    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
+    if any(o in STRATEGIES for o in options) and any(word in optim for word in _UNSHARDABLE_OPTIM):
+        problems.append(
+            f"--optim {optim} cannot be sharded: its update of an element depends on the whole tensor, which a flat "
+            "shard does not keep; use --optim adamw_torch_fused (or another elementwise optimizer) with --sharded_ddp"
+        )
     return problems
+
+
+# Trainer optimizers (`--optim`) whose update is not elementwise (see sharding.optimizer.ELEMENTWISE).
+_UNSHARDABLE_OPTIM = ("adafactor", "lomo", "galore", "apollo", "muon", "dion", "schedule_free")
 
 
 def _unbuilt_problems(options, offload) -> list:
