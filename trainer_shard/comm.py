@@ -77,20 +77,23 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """Concatenate every rank's `input` into `output`. See [Note: collective calls].
+    """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
+    `output` itself (in place). See [Note: collective calls].
 
     On gloo, all-gather measured slower than even an all-reduce of the full output (2 ranks,
     64 MB: 72 ms against 48 ms), while one broadcast per chunk took 22 ms; so there each rank
     broadcasts its chunk straight into everyone's `output`. NCCL gets the real all-gather.
     """
+    rank, n = (dist.get_rank(group) if is_distributed(group) else 0), input.numel()
+    mine = output[rank * n : (rank + 1) * n]
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input)
     if not is_distributed(group):
-        output.copy_(input)
         return _Done() if async_op else None
     with record_function("trainer_shard::all_gather"):
         if not _uses_gloo(group):
-            return _all_gather(output, input, group=group, async_op=async_op)
-        rank, world, n = dist.get_rank(group), dist.get_world_size(group), input.numel()
-        output[rank * n : (rank + 1) * n].copy_(input)
+            return _all_gather(output, mine, group=group, async_op=async_op)
+        world = dist.get_world_size(group)
         works = [
             dist.broadcast(output[i * n : (i + 1) * n], src=dist.get_global_rank(group, i) if group else i,
                            group=group, async_op=True)

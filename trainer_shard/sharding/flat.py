@@ -107,13 +107,16 @@ class FlatGroup:
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Updated shards -> every rank's flat buffer (all-gather, bucket by bucket). Collective."""
+        """Updated shards -> every rank's flat buffer (all-gather, bucket by bucket). Collective.
+
+        In place: this rank's slice of the buffer is the all-gather's input (for 16-bit parameters
+        the fp32 master is first cast into it), so no copy of the shard is made.
+        """
         works = []
         for view, bucket in zip(self.master_views, self.layout.buckets):
-            # a separate input: the output bucket holds this rank's slice too
-            piece = view.to(self.dtype, copy=True)
-            works.append((comm.all_gather(self.bucket_view(bucket), piece, self.group, async_op=True), piece))
-            if len(works) > 2:  # bound the copies alive at once
-                works.pop(0)[0].wait()
-        for work, _ in works:
+            mine = self.buffer[slice(*bucket.slice_range(self.rank))]
+            if self.master is not None:
+                mine.copy_(view)
+            works.append(comm.all_gather(self.bucket_view(bucket), mine, self.group, async_op=True))
+        for work in works:
             work.wait()
