@@ -80,3 +80,19 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model, tiny_data, tmp_path):
     assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
     resumed = load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_fp16_dynamic_loss_scaling_through_the_trainer(tiny_model, tiny_data, tmp_path):
+    """fp16 parameters, fp32 shard masters; an overflowing first step is skipped on both ranks."""
+    out = tmp_path / "out"
+    extra = ["--sharded_ddp", "zero_dp_2", "--fp16", "--max_steps", "8", "--gradient_accumulation_steps", "1"]
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP))
+    rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert all(v.dtype == torch.float16 for v in rank0.values())
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    steps = [e for e in history if "loss" in e]
+    # the initial scale 2**16 overflows: that step is skipped and the LR schedule waits for it
+    assert steps[0]["grad_norm"] != steps[0]["grad_norm"] or steps[0]["grad_norm"] == float("inf")
+    assert steps[1]["learning_rate"] == steps[0]["learning_rate"]
+    assert all(e["loss"] == e["loss"] for e in steps) and steps[-1]["loss"] < steps[0]["loss"]

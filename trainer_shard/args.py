@@ -91,7 +91,8 @@ def _combination_problems(options) -> list:
     return problems
 
 
-def _offload_problems(path, options) -> list:
+def _offload_problems(args, options) -> list:
+    path = args.offload
     if path is None or path == "":
         return []
     config = Path(path)
@@ -104,6 +105,17 @@ def _offload_problems(path, options) -> list:
             "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
             "and drop 'offload' from --sharded_ddp"
         ]
+    from .config import load_config
+    from .errors import ConfigError
+
+    try:
+        loaded = load_config(config, training_args=args, world_size=world_size_from_env())
+    except ConfigError as e:
+        return [f"--offload {path}: {where}: {message}" for where, message in e.problems]
+    stage = 2 if ShardedDDPOption.ZERO_DP_2 in options else 1 if ShardedDDPOption.SIMPLE in options else None
+    if stage is not None and loaded.stage not in (0, stage):
+        return [f"--offload {path}: zero_optimization.stage is {loaded.stage} but --sharded_ddp asks for stage {stage}; "
+                "make them agree"]  # fmt: skip
     return []
 
 
@@ -193,7 +205,7 @@ class ShardingArguments:
 
     def __post_init__(self):
         options, problems = parse_sharded_ddp(self.sharded_ddp)
-        problems += _offload_problems(self.offload, options)
+        problems += _offload_problems(self, options)
         problems += _peer_problems(self, options)
         problems += _distributed_problems(self)
         if not problems:

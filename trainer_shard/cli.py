@@ -2,6 +2,7 @@
 
     trainer-shard make-demo-data --out_dir data/demo_en_ro
     trainer-shard build-demo-model --data_dir data/demo_en_ro --out_dir data/demo_t5
+    trainer-shard validate-config configs/offload_cpu.json [--world_size 2]
 """
 
 import importlib
@@ -10,7 +11,32 @@ import sys
 COMMANDS = {
     "make-demo-data": ("trainer_shard.demo", "make_demo_data_main", "write the num2words English-Romanian data set"),
     "build-demo-model": ("trainer_shard.demo", "build_demo_model_main", "build the small T5 and its BPE tokenizer"),
+    "validate-config": ("trainer_shard.cli", "validate_config_main", "check an --offload JSON config, every problem at once"),
 }
+
+
+def validate_config_main(argv=None) -> int:
+    """The same check `--offload` runs at start, from the shell (without TrainingArguments,
+    "auto" stays unresolved: it is filled at start)."""
+    import argparse
+
+    from .config import load_config
+    from .errors import ConfigError
+
+    parser = argparse.ArgumentParser(prog="trainer-shard validate-config", description=validate_config_main.__doc__)
+    parser.add_argument("config", help="path of the JSON config")
+    parser.add_argument("--world_size", type=int, default=1, help="number of ranks it will run on (default 1)")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, world_size=args.world_size)
+    except ConfigError as e:
+        print(f"trainer-shard: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{args.config}: valid: stage {config.stage}, optimizer offload {config.offload_device}"
+        f"{' at ' + config.nvme_path if config.nvme_path else ''}, precision {config.precision}"
+    )
+    return 0
 
 
 def usage() -> str:

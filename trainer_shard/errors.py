@@ -38,3 +38,14 @@ class DistributedSetupError(TrainerShardError):
 
 class ShardingError(TrainerShardError):
     """An optimizer, model or parameter set the sharded optimizer cannot work with."""
+
+
+class ConfigError(TrainerShardError):
+    """An offload config with problems: every one of them, each with its JSON path and the fix."""
+
+    def __init__(self, source: str, problems):
+        self.source = source
+        self.problems = list(problems)  # [(json_path, message)]
+        lines = [f"  - {path}: {message}" for path, message in self.problems]
+        count = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
+        super().__init__(f"offload config {source}: {count}\n" + "\n".join(lines))

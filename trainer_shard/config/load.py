@@ -1,0 +1,287 @@
+"""Read, check and resolve an offload config: every problem collected, then one ConfigError.
+
+    config = load_config("configs/offload_cpu.json", training_args=args, world_size=2)
+
+Checks, in one pass: JSON syntax (with line and column), unknown keys (with the allowed ones),
+types, ranges, "auto" where it is not allowed, cross-field rules (nvme needs nvme_path, offload
+needs stage >= 1 or one process...), and, given TrainingArguments, "auto" filled from them and
+every explicit value that contradicts them, reported with both values.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .schema import AUTO, TOP, Key
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The resolved config, flat: what the engine and the Trainer integration read."""
+
+    stage: int
+    offload_device: str  # none | cpu | nvme
+    nvme_path: str | None
+    pin_memory: bool
+    buffer_count: int
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    overlap_comm: bool
+    optimizer: dict | None  # {"type": ..., "params": {...}} or None: the Trainer's --optim
+    scheduler: dict | None
+    gradient_clipping: float | None
+    precision: str  # fp32 | fp16 | bf16 | auto (not resolved: no TrainingArguments given)
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    min_loss_scale: float
+    micro_batch_size: int | None
+    gradient_accumulation_steps: int | None
+    train_batch_size: int | None
+    raw: dict
+
+
+def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
+    """Load `path`; raise ConfigError listing every problem. See the module docstring."""
+    source = str(path)
+    data = _read_json(Path(path), source)
+    problems = []
+    tree = _check_object(data, TOP, "$", problems)
+    bad = {path for path, _ in problems}
+    combination = []
+    _cross_field(tree, world_size, combination)
+    # a rule over a key that is already wrong would only repeat it (its default stood in)
+    problems += [(path, message) for path, message in combination if not _under(path, bad)]
+    if not problems and training_args is not None:
+        _against_training_args(tree, training_args, world_size, problems)
+    if problems:
+        raise ConfigError(source, problems)
+    return _build(tree, data)
+
+
+def _under(path: str, bad: set) -> bool:
+    return any(path == b or path.startswith(b + ".") for b in bad)
+
+
+def _read_json(path: Path, source: str):
+    if not path.is_file():
+        raise ConfigError(source, [("$", "file not found; pass the path of a JSON config (see configs/README.md)")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(source, [("$", f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ConfigError(source, [("$", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
+    except ValueError as e:
+        raise ConfigError(source, [("$", str(e))]) from None
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a number JSON allows; write a finite number")
+
+
+# ---- per-key checks --------------------------------------------------------------------------
+
+
+def _check_object(value, spec: dict, path: str, problems: list) -> dict:
+    """Checked values with defaults filled in; problems appended as (path, message)."""
+    if not isinstance(value, dict):
+        problems.append((path, f"must be an object {{...}}, got {_describe(value)}"))
+        return _check_object({}, spec, path, [])  # its defaults stand in
+    out = {}
+    for key in value:
+        if not isinstance(key, str) or key not in spec:
+            allowed = ", ".join(spec)
+            problems.append((f"{path}.{key}", f"unknown key; allowed here: {allowed}"))
+    for key, key_spec in spec.items():
+        child = f"{path}.{key}"
+        if key not in value:
+            out[key] = _check_object({}, key_spec.children, child, problems) if key_spec.kind == "object" else key_spec.default
+            continue
+        out[key] = _check_value(value[key], key_spec, child, problems)
+    return out
+
+
+def _check_value(value, spec: Key, path: str, problems: list):
+    if value == AUTO and isinstance(value, str):
+        if spec.auto:
+            return AUTO
+        problems.append((path, '"auto" is not allowed here; write a value'))
+        return spec.default
+    if spec.kind == "object":
+        return _check_object(value, spec.children, path, problems)
+    checker = {"bool": _as_bool, "int": _as_int, "float": _as_float, "str": _as_str, "choice": _as_choice,
+               "floats": _as_floats}[spec.kind]  # fmt: skip
+    try:
+        checked = checker(value, spec)
+    except ValueError as e:
+        problems.append((path, str(e)))
+        return spec.default
+    if spec.choices and spec.kind != "choice" and checked not in spec.choices:
+        problems.append((path, f"must be {' or '.join(json.dumps(c) for c in spec.choices)}, got {_describe(value)}"))
+    return checked
+
+
+def _describe(value) -> str:
+    text = json.dumps(value, ensure_ascii=False) if _jsonable(value) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _as_bool(value, spec):
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"must be true or false, got {_describe(value)}")
+
+
+def _number(value, spec, integer: bool):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be {'an integer' if integer else 'a number'}, got {_describe(value)}")
+    if integer and not (isinstance(value, int) or (math.isfinite(value) and value == int(value))):
+        raise ValueError(f"must be an integer, got {_describe(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"must be finite, got {_describe(value)}")
+    if spec.minimum is not None and (value < spec.minimum or (spec.exclusive_minimum and value == spec.minimum)):
+        raise ValueError(f"must be {'>' if spec.exclusive_minimum else '>='} {spec.minimum}, got {_describe(value)}")
+    if spec.maximum is not None and value > spec.maximum:
+        raise ValueError(f"must be <= {spec.maximum}, got {_describe(value)}")
+    return int(value) if integer else float(value)
+
+
+def _as_int(value, spec):
+    return _number(value, spec, integer=True)
+
+
+def _as_float(value, spec):
+    return _number(value, spec, integer=False)
+
+
+def _as_str(value, spec):
+    if isinstance(value, str) and value:
+        return value
+    raise ValueError(f"must be a non-empty string, got {_describe(value)}")
+
+
+def _as_choice(value, spec):
+    if isinstance(value, str) and value in spec.choices:
+        return value
+    raise ValueError(f"must be one of {', '.join(map(str, spec.choices))}, got {_describe(value)}")
+
+
+def _as_floats(value, spec):
+    if not isinstance(value, list) or len(value) != spec.length:
+        raise ValueError(f"must be a list of {spec.length} numbers, got {_describe(value)}")
+    return [_number(v, spec, integer=False) for v in value]
+
+
+# ---- rules across keys ------------------------------------------------------------------------
+
+
+def _cross_field(tree: dict, world_size: int, problems: list) -> None:
+    zero = tree["zero_optimization"]
+    offload = zero["offload_optimizer"]
+    if zero["cpu_offload"] and offload["device"] not in ("none", "cpu"):
+        problems.append(("$.zero_optimization.cpu_offload", f'contradicts offload_optimizer.device = "{offload["device"]}"; keep one'))
+    if zero["stage"] == 3:
+        problems.append(("$.zero_optimization.stage", "stage 3 (parameter sharding) is not in this release; use 1 or 2"))
+    if offload["device"] == "nvme" and not offload["nvme_path"]:
+        problems.append(("$.zero_optimization.offload_optimizer.nvme_path",
+                         'device "nvme" needs nvme_path: the folder for the disk store'))  # fmt: skip
+    if offload["nvme_path"] and offload["device"] != "nvme":
+        problems.append(("$.zero_optimization.offload_optimizer.nvme_path",
+                         f'is only used with device "nvme" (device is "{offload["device"]}"); remove it or set device'))  # fmt: skip
+    offloading = offload["device"] != "none" or zero["cpu_offload"]
+    if offloading and zero["stage"] == 0 and world_size > 1:
+        problems.append(("$.zero_optimization.stage",
+                         f"offload with {world_size} ranks needs stage 1 or 2, so that each rank offloads its own shard"))  # fmt: skip
+    if tree["fp16"]["enabled"] is True and tree["bf16"]["enabled"] is True:
+        problems.append(("$.fp16.enabled", "fp16 and bf16 are both enabled; enable one"))
+    scheduler = tree["scheduler"]
+    if scheduler["type"] is None and any(v is not None for v in scheduler["params"].values() if v != "log"):
+        problems.append(("$.scheduler.type", "params without a type; name WarmupLR or WarmupDecayLR"))
+    optimizer = tree["optimizer"]
+    if optimizer["type"] == "SGD" and any(optimizer["params"].get(k) is not None for k in ("betas", "eps")):
+        problems.append(("$.optimizer.params", "betas and eps are Adam arguments; SGD takes lr, momentum, weight_decay"))
+
+
+def _against_training_args(tree: dict, args, world_size: int, problems: list) -> None:
+    """Fill "auto" from the TrainingArguments; report explicit values that contradict them."""
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    pairs = [
+        ("$.train_micro_batch_size_per_gpu", tree, "train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size"),
+        ("$.gradient_accumulation_steps", tree, "gradient_accumulation_steps", accumulation, "--gradient_accumulation_steps"),
+        ("$.train_batch_size", tree, "train_batch_size", micro * accumulation * world_size,
+         "--per_device_train_batch_size x --gradient_accumulation_steps x world size"),
+        ("$.gradient_clipping", tree, "gradient_clipping", args.max_grad_norm, "--max_grad_norm"),
+        ("$.fp16.enabled", tree["fp16"], "enabled", bool(args.fp16), "--fp16"),
+        ("$.bf16.enabled", tree["bf16"], "enabled", bool(args.bf16), "--bf16"),
+        ("$.optimizer.params.lr", tree["optimizer"]["params"], "lr", args.learning_rate, "--learning_rate"),
+        ("$.optimizer.params.betas", tree["optimizer"]["params"], "betas", [args.adam_beta1, args.adam_beta2],
+         "--adam_beta1/--adam_beta2"),
+        ("$.optimizer.params.eps", tree["optimizer"]["params"], "eps", args.adam_epsilon, "--adam_epsilon"),
+        ("$.optimizer.params.weight_decay", tree["optimizer"]["params"], "weight_decay", args.weight_decay, "--weight_decay"),
+        ("$.scheduler.params.warmup_max_lr", tree["scheduler"]["params"], "warmup_max_lr", args.learning_rate, "--learning_rate"),
+        ("$.scheduler.params.warmup_num_steps", tree["scheduler"]["params"], "warmup_num_steps", args.warmup_steps, "--warmup_steps"),
+    ]  # fmt: skip
+    for path, holder, key, theirs, flag in pairs:
+        mine = holder[key]
+        if mine == AUTO:
+            holder[key] = theirs
+        elif mine is not None and _differs(mine, theirs) and not _unset_flag(flag, theirs):
+            problems.append((path, f"is {json.dumps(mine)} but {flag} is {json.dumps(theirs)}; make them agree, or write \"auto\""))
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if tree["zero_optimization"][key] == AUTO:
+            tree["zero_optimization"][key] = 2**23
+    if tree["scheduler"]["params"]["warmup_min_lr"] == AUTO:
+        tree["scheduler"]["params"]["warmup_min_lr"] = 0.0
+    if tree["scheduler"]["params"]["total_num_steps"] == AUTO:
+        tree["scheduler"]["params"]["total_num_steps"] = args.max_steps if args.max_steps > 0 else None
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, list) or isinstance(b, list):
+        return any(_differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return a != b
+
+
+def _unset_flag(flag: str, theirs) -> bool:
+    """A precision flag left off does not contradict a config that turns the precision on."""
+    return flag in ("--fp16", "--bf16") and theirs is False
+
+
+def _build(tree: dict, raw: dict) -> OffloadConfig:
+    zero, offload, fp16 = tree["zero_optimization"], tree["zero_optimization"]["offload_optimizer"], tree["fp16"]
+    device = "cpu" if zero["cpu_offload"] and offload["device"] == "none" else offload["device"]
+    precision = "fp16" if fp16["enabled"] is True else "bf16" if tree["bf16"]["enabled"] is True else "fp32"
+    if precision == "fp32" and AUTO in (fp16["enabled"], tree["bf16"]["enabled"]):
+        precision = AUTO  # from --fp16/--bf16 at start
+    sections = {name: tree[name] if name in raw else None for name in ("optimizer", "scheduler")}
+
+    def concrete(value):
+        return None if value == AUTO else value
+
+    return OffloadConfig(
+        stage=zero["stage"], offload_device=device, nvme_path=offload["nvme_path"], pin_memory=offload["pin_memory"],
+        buffer_count=offload["buffer_count"], reduce_bucket_size=concrete(zero["reduce_bucket_size"]) or 2**23,
+        allgather_bucket_size=concrete(zero["allgather_bucket_size"]) or 2**23, overlap_comm=zero["overlap_comm"],
+        optimizer=sections["optimizer"], scheduler=sections["scheduler"],
+        gradient_clipping=concrete(tree["gradient_clipping"]), precision=precision,
+        loss_scale=fp16["loss_scale"], initial_scale_power=fp16["initial_scale_power"],
+        loss_scale_window=fp16["loss_scale_window"], min_loss_scale=fp16["min_loss_scale"],
+        micro_batch_size=concrete(tree["train_micro_batch_size_per_gpu"]),
+        gradient_accumulation_steps=concrete(tree["gradient_accumulation_steps"]),
+        train_batch_size=concrete(tree["train_batch_size"]), raw=raw,
+    )  # fmt: skip
