@@ -160,25 +160,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.flats[0].grad.device
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global norm over all shards; returns the norm before clipping. Collective."""
+    def global_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of all gradients across all shards, unclipped. Collective."""
         self.prepare_grads()
         norm_type = float(norm_type)
-        with record_function("trainer_shard::clip_grad_norm"):
+        with record_function("trainer_shard::grad_norm"):
             if norm_type == float("inf"):
                 local = torch.stack([f.grad.abs().max() for f in self.flats]).max().reshape(1)
-                total = comm.all_reduce(local.clone(), op=torch.distributed.ReduceOp.MAX, group=self.group)[0]
-            else:
-                local = sum(_power_sum(f.grad, norm_type) for f in self.flats).reshape(1)
-                total = (comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)).float()
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+                return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0]
+            local = sum(_power_sum(f.grad, norm_type) for f in self.flats).reshape(1)
+            return (comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)).float()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global norm over all shards; returns the norm before clipping. Collective.
+
+        Same rule as `torch.nn.utils.clip_grad_norm_`: scale by max_norm / (norm + 1e-6) when below 1.
+        """
+        total = self.global_norm(norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if coef < 1.0:
             for flat in self.flats:
                 flat.grad.mul_(coef)
         return total
 
     def grad_norm(self) -> torch.Tensor:
         """The global 2-norm of the gradients, unclipped. Collective."""
-        return self.clip_grad_norm(float("inf"))
+        return self.global_norm(2.0)
 
     @contextlib.contextmanager
     def no_sync(self):
