@@ -96,3 +96,18 @@ def test_fp16_dynamic_loss_scaling_through_the_trainer(tiny_model, tiny_data, tm
     assert steps[0]["grad_norm"] != steps[0]["grad_norm"] or steps[0]["grad_norm"] == float("inf")
     assert steps[1]["learning_rate"] == steps[0]["learning_rate"]
     assert all(e["loss"] == e["loss"] for e in steps) and steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_own_optimizer_must_be_sharded(tiny_model, tmp_path):
+    """optimizers=(plain AdamW, None) with --sharded_ddp would silently not shard: refused."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from trainer_shard import ArgumentError, ShardedOptimizer, ShardedSeq2SeqTrainer, ShardedSeq2SeqTrainingArguments
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model)
+    args = ShardedSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", sharded_ddp="zero_dp_2")
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ArgumentError, match="asks for ZeRO-2 but the trainer was given AdamW"):
+        ShardedSeq2SeqTrainer(model=model, args=args, optimizers=(plain, None))
+    trainer = ShardedSeq2SeqTrainer(model=model, args=args, optimizers=(ShardedOptimizer.wrap(plain, stage=2), None))
+    assert trainer.sharded_optimizer.stage == 2

@@ -31,7 +31,7 @@ from transformers.training_args import ParallelMode
 import torch
 
 from .args import ShardedDDPOption, world_size_from_env
-from .errors import DistributedSetupError
+from .errors import ArgumentError, DistributedSetupError
 from .sharding import ShardedGradScaler, ShardedOptimizer
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class ShardedTrainerMixin:
             # accumulation, where the Trainer's scaling factors are both 1.
             logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", type(model).__name__)
             self.model_accepts_loss_kwargs = False
+        if self.sharding_stage is not None and self.optimizer is not None:
+            self._adopt_sharded_optimizer(self.optimizer)  # the user's own, via optimizers=(...)
 
     # ---- sharding -----------------------------------------------------------------------------
 
@@ -121,16 +123,30 @@ class ShardedTrainerMixin:
             return super().create_optimizer(model)
         self._cast_model_for_mixed_precision(model if model is not None else self.model)
         plain = super().create_optimizer(model)
-        sharded = ShardedOptimizer.wrap(plain, stage=stage, loss_scaler=bool(self.args.fp16))
-        self.optimizer = self.sharded_optimizer = sharded
+        self.optimizer = ShardedOptimizer.wrap(plain, stage=stage, loss_scaler=bool(self.args.fp16))
+        self._adopt_sharded_optimizer(self.optimizer)
+        return self.optimizer
+
+    def _adopt_sharded_optimizer(self, optimizer) -> None:
+        """Make the Trainer step through `optimizer`; refuse one that would silently not shard."""
+        stage = self.sharding_stage
+        if not isinstance(optimizer, ShardedOptimizer) or optimizer.stage != stage:
+            raise ArgumentError(
+                f"--sharded_ddp asks for ZeRO-{stage} but the trainer was given {type(optimizer).__name__}"
+                f"{f' at stage {optimizer.stage}' if isinstance(optimizer, ShardedOptimizer) else ''} through "
+                f"optimizers=(...); let the trainer build it (optimizer_cls_and_kwargs=...), or pass "
+                f"ShardedOptimizer.wrap(your_optimizer, stage={stage})"
+            )
+        if self.args.fp16 and optimizer.loss_scaler is None:
+            raise ArgumentError("--fp16 needs the ShardedOptimizer built with loss_scaler=True")
+        self.sharded_optimizer = optimizer
         if self.args.fp16:
             # accelerate scales the loss and steps through this; see ShardedGradScaler
-            self.accelerator.scaler = ShardedGradScaler(sharded)
+            self.accelerator.scaler = ShardedGradScaler(optimizer)
         if stage == 2:
             # No DDP around the model: the optimizer's hooks reduce-scatter the gradients.
             self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
-        logger.info("--sharded_ddp: %r", sharded)
-        return self.optimizer
+        logger.info("--sharded_ddp: %r", optimizer)
 
     def _cast_model_for_mixed_precision(self, model) -> None:
         """16-bit parameters and gradients on the device; fp32 masters live in the optimizer shards."""
