@@ -49,19 +49,18 @@ def tensor_bytes(tensors) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
-def inner_optimizer(opt):
-    """Unwrap accelerate / DeepSpeed / ZeRO wrappers down to the torch optimizer holding the state."""
+def unwrapped(opt):
+    """The chain of wrappers (accelerate, DeepSpeed, ZeRO, ours) down to the innermost optimizer."""
     seen = set()
-    while id(opt) not in seen:
+    while opt is not None and id(opt) not in seen:
         seen.add(id(opt))
-        for name in ("optim", "optimizer"):
-            inner = getattr(opt, name, None)
-            if isinstance(inner, torch.optim.Optimizer) or hasattr(inner, "state"):
-                opt = inner
-                break
-        else:
-            break
-    return opt
+        yield opt
+        opt = getattr(opt, "optim", None) or getattr(opt, "optimizer", None)
+
+
+def inner_optimizer(opt):
+    """The innermost torch optimizer: the one holding the state."""
+    return [o for o in unwrapped(opt) if hasattr(o, "state")][-1]
 
 
 def optimizer_state_bytes(opt) -> int:
@@ -70,15 +69,12 @@ def optimizer_state_bytes(opt) -> int:
 
 def engine_grad_bytes(optimizer) -> int:
     """Gradients an engine keeps outside `.grad`: our fp32 shard, DeepSpeed's averaged partitions."""
-    opt, seen = optimizer, set()
-    while opt is not None and id(opt) not in seen:
-        seen.add(id(opt))
+    for opt in unwrapped(optimizer):
         if hasattr(opt, "shard_bytes"):  # ShardedOptimizer
             return opt.shard_bytes()["grad"]
         if hasattr(opt, "single_partition_of_fp32_groups"):  # DeepSpeed ZeRO-1/2
             partitions = tensor_bytes([p.grad for p in opt.single_partition_of_fp32_groups])
             return max(partitions, tensor_bytes(getattr(opt, "averaged_gradients", None)))
-        opt = getattr(opt, "optimizer", None)
     return 0
 
 

@@ -98,7 +98,7 @@ def check_parity(rank, world_size, stage):
             saved, loaded = opt.optim.state[view], fresh.optim.state[fresh_view]
             assert saved.keys() == loaded.keys()
             assert all(torch.equal(saved[key], loaded[key]) for key in saved), rank
-        assert torch.equal(flat.master_shard(), fresh_flat.master_shard())
+        assert torch.equal(torch.cat(flat.master_views), torch.cat(fresh_flat.master_views))
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -132,6 +132,11 @@ def check_bf16(rank, world_size, stage):
     assert all(v.data_ptr() != p.data_ptr() for v in opt.flats[0].master_views for p in ours.parameters())
     for p, q in zip(reference.module.parameters(), ours.parameters()):
         assert torch.equal(p, q), (p.float() - q.float()).abs().max()
+    # the consolidated state carries the fp32 masters of 16-bit parameters
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        saved_masters = opt.state_dict()["master_params"]
+        assert all(torch.equal(saved_masters[i], m) for i, m in enumerate(masters))
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -20,6 +20,10 @@ from .errors import ArgumentError
 
 logger = logging.getLogger(__name__)
 
+_SPLITS = ("train", "val", "test")
+_PHASE_FLAG = {"train": "--do_train", "val": "--do_eval", "test": "--do_predict"}
+_FILE_FLAG = {"train": "--train_file", "val": "--validation_file", "test": "--test_file"}
+
 _TRANSLATION_TASK = re.compile(r"^translation_([A-Za-z0-9-]+)_to_([A-Za-z0-9-]+)$")
 
 
@@ -134,13 +138,11 @@ def check_data_args(data_args, training_args) -> None:
         src, tgt = task_languages(data_args.task)
         data_args.src_lang = data_args.src_lang or src
         data_args.tgt_lang = data_args.tgt_lang or tgt
-    phases = {"train": training_args.do_train, "val": training_args.do_eval, "test": training_args.do_predict}
-    files = {"train": data_args.train_file, "val": data_args.validation_file, "test": data_args.test_file}
-    flags = {"train": "--train_file", "val": "--validation_file", "test": "--test_file"}
-    for split, wanted in phases.items():
-        if wanted and data_args.data_dir is None and files[split] is None:
-            problems.append(f"--do_{_phase_flag(split)} needs data: pass --data_dir DIR or {flags[split]} FILE")
-    if not any(phases.values()):
+    wanted = _wanted_splits(training_args)
+    for split in wanted:
+        if data_args.data_dir is None and _split_file(data_args, split) is None:
+            problems.append(f"{_PHASE_FLAG[split]} needs data: pass --data_dir DIR or {_FILE_FLAG[split]} FILE")
+    if not wanted:
         problems.append("nothing to do: pass at least one of --do_train, --do_eval, --do_predict")
     for name in ("max_source_length", "max_target_length", "val_max_target_length", "test_max_target_length"):
         if getattr(data_args, name) < 1:
@@ -154,8 +156,13 @@ def check_data_args(data_args, training_args) -> None:
         raise ArgumentError(problems)
 
 
-def _phase_flag(split: str) -> str:
-    return {"train": "train", "val": "eval", "test": "predict"}[split]
+def _wanted_splits(training_args) -> list:
+    phases = (training_args.do_train, training_args.do_eval, training_args.do_predict)
+    return [split for split, wanted in zip(_SPLITS, phases) if wanted]
+
+
+def _split_file(data_args, split: str):
+    return {"train": data_args.train_file, "val": data_args.validation_file, "test": data_args.test_file}[split]
 
 
 def _conflicts(data_args, training_args) -> list:
@@ -182,17 +189,12 @@ def apply_script_flags(data_args, training_args) -> None:
 
 def load_pairs(data_args, training_args) -> dict:
     """Read every split the run needs, up front: {"train"|"val"|"test": Pairs}. Raises DataError."""
-    wanted = {"train": training_args.do_train, "val": training_args.do_eval, "test": training_args.do_predict}
-    files = {"train": data_args.train_file, "val": data_args.validation_file, "test": data_args.test_file}
     limits = {"train": data_args.n_train, "val": data_args.n_val, "test": data_args.n_test}
     pairs = {}
-    for split, needed in wanted.items():
-        if not needed:
-            continue
-        if files[split] is not None:
-            pairs[split] = read_jsonl(
-                files[split], data_args.task, data_args.src_lang, data_args.tgt_lang, n_obs=limits[split]
-            )
+    for split in _wanted_splits(training_args):
+        file = _split_file(data_args, split)
+        if file is not None:
+            pairs[split] = read_jsonl(file, data_args.task, data_args.src_lang, data_args.tgt_lang, n_obs=limits[split])
         else:
             pairs[split] = read_split(data_args.data_dir, split, n_obs=limits[split])
     return pairs

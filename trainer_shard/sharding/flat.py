@@ -63,10 +63,6 @@ class FlatGroup:
         """`bucket`'s slice of a shard-sized tensor (master, grad, optimizer state)."""
         return tensor[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
 
-    def master_shard(self) -> torch.Tensor:
-        """This rank's fp32 weights as one tensor (a copy when they are the parameters themselves)."""
-        return self.master if self.master is not None else torch.cat(self.master_views)
-
     @torch.no_grad()
     def load_master(self, shard: torch.Tensor) -> None:
         for view, bucket in zip(self.master_views, self.layout.buckets):

@@ -125,9 +125,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.reducer is not None:
                 self.reducer.add(flat)
 
+    def _hyperparameters(self, flat_index: int) -> dict:
+        """The outer group's settings (lr as the scheduler left it, weight_decay...) for flats[i]."""
+        return {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
+
     def _inner_group(self, flat_index: int) -> dict:
-        hyper = {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
-        return {"params": self.flats[flat_index].master_views, **hyper}
+        return {"params": self.flats[flat_index].master_views, **self._hyperparameters(flat_index)}
+
+    def _sync_hyperparameters(self) -> None:
+        for flat_index, inner in enumerate(self.optim.param_groups):
+            inner.update(self._hyperparameters(flat_index))
 
     # ---- gradients -------------------------------------------------------------------------
 
@@ -218,9 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.found_inf:
                 self.skip_step()
                 return loss
-            for flat_index, inner in enumerate(self.optim.param_groups):
-                outer = self.param_groups[self._flat_owner[flat_index]]
-                inner.update({k: v for k, v in outer.items() if k != "params"})
+            self._sync_hyperparameters()
             self.optim.step()
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
@@ -272,7 +277,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner = _shard_state(self.optim.state, flat)
             keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.grad)), self.group)[0]
             pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
-            pieces["__master__"] = _gather_to(flat.master_shard(), to, self.group)
+            if flat.master is not None:  # fp32 parameters are their own masters: nothing to gather
+                pieces["__master__"] = _gather_to(flat.master, to, self.group)
             if self.rank != to:
                 continue
             for key, stacked in pieces.items():
@@ -288,7 +294,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         state.setdefault(ids[p], {})[key] = value.clone() if torch.is_tensor(value) else value
         if self.rank == to:
             result = {"state": state, "param_groups": self._groups_for_state_dict(ids)}
-            if any(f.dtype != torch.float32 for f in self.flats):
+            if masters:
                 result["master_params"] = masters
             if self.loss_scaler is not None:
                 result["loss_scaler"] = self.loss_scaler.state_dict()
@@ -314,7 +320,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
             "inner": self.optim.state_dict(),
-            "masters": [flat.master_shard().detach().clone() for flat in self.flats],
+            # fp32 parameters are their own masters (saved with the model): None
+            "masters": [None if flat.master is None else flat.master.detach().clone() for flat in self.flats],
             "param_groups": self._groups_for_state_dict(self._param_ids()),
             **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
         }
@@ -328,7 +335,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         self.optim.load_state_dict(state_dict["inner"])
         for flat, master in zip(self.flats, state_dict["masters"]):
-            flat.load_master(master)
+            if master is not None:
+                flat.load_master(master)
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -369,14 +377,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     k: flat.shard_of(v, bucket).clone() if _per_element(k, v, flat.grad) else
                     (v.clone() if torch.is_tensor(v) else v) for k, v in inner.items()
                 }  # fmt: skip
-            if masters is not None:
+            if masters is not None and flat.master is not None:
                 flat.load_master(_shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
             else:
                 flat.refresh_master()
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        for flat_index, inner in enumerate(self.optim.param_groups):
-            inner.update({k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"})
+        self._sync_hyperparameters()
 
     # ---- reporting -------------------------------------------------------------------------
 
