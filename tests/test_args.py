@@ -59,7 +59,7 @@ def test_all_problems_reported_at_once(tmp_path):
     assert "unknown option 'zero2'" in message and "needs a strategy" in message and "missing.json" in message
 
 
-@pytest.mark.parametrize("option", ["zero_dp_3", "zero_dp_2 offload", "simple offload", "zero_dp_3 auto_wrap"])
+@pytest.mark.parametrize("option", ["zero_dp_3", "zero_dp_3 auto_wrap"])
 @pytest.mark.parametrize("cls", [ShardedTrainingArguments, ShardedSeq2SeqTrainingArguments])
 def test_unbuilt_options_are_refused_not_ignored(tmp_path, cls, option):
     with pytest.raises(ArgumentError, match="not in this release of trainer_shard"):
@@ -83,11 +83,13 @@ def test_offload_directory_is_refused(tmp_path):
         make_args(tmp_path, offload=str(tmp_path))
 
 
-def test_offload_existing_config_is_refused_until_engine_lands(tmp_path):
+def test_offload_config_sets_what_it_turns_on(tmp_path):
     config = tmp_path / "offload.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    with pytest.raises(ArgumentError, match="offload engine is not in this release"):
-        make_args(tmp_path, offload=str(config))
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 2**22}, "bf16": {"enabled": True}}))
+    args = make_args(tmp_path, offload=str(config))
+    assert args.bf16 is True  # the config's precision takes effect
+    assert args.ddp_bucket_cap_mb == 8  # stage 1 reduces through DDP: 2**22 bf16 elements
+    assert args.offload_config.stage == 1
 
 
 def test_offload_twice_is_refused(tmp_path):

@@ -126,14 +126,33 @@ def test_readme_documents_every_key():
     assert missing == []
 
 
-def test_offload_flag_checks_the_config_then_refuses_until_the_engine_lands(tmp_path):
+def test_offload_flag_checks_the_config_against_the_flags(tmp_path):
     bad = write(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})
     with pytest.raises(ArgumentError, match=r"--offload .*c.json: \$.zero_optimization.offload_optimizer.nvme_path"):
         training_args(tmp_path, offload=str(bad))
-    with pytest.raises(ArgumentError, match="offload engine is not in this release"):
-        training_args(tmp_path, offload=str(CONFIGS / "offload_cpu.json"))
+    assert training_args(tmp_path, offload=str(CONFIGS / "offload_cpu.json")).offload_config.offload_device == "cpu"
     with pytest.raises(ArgumentError, match="zero_optimization.stage is 2 but --sharded_ddp asks for stage 1"):
         training_args(tmp_path, offload=str(CONFIGS / "zero2.json"), sharded_ddp="simple")
+
+
+@pytest.mark.parametrize(
+    "data, flags, fragment",
+    [
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 100, "allgather_bucket_size": 200}}, {},
+         "allgather_bucket_size: is 200 but reduce_bucket_size is 100"),
+        ({"zero_optimization": {"overlap_comm": False}}, {"sharded_ddp": "simple"}, "overlap_comm: false applies to stage 2"),
+        ({"zero_optimization": {"reduce_bucket_size": 100}}, {}, "means nothing without sharding"),
+        ({"fp16": {"loss_scale": 128}}, {}, "fp16.loss_scale: is a loss-scale setting but fp16 is not enabled"),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, {}, "the Trainer's own GradScaler is used"),
+        ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, {}, "use type \"Adam\""),
+        ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, {}, "momentum: is an SGD argument"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/dev/null/store"}}}, {},
+         "cannot create the disk store folder .*/dev/null.* is not a folder"),
+    ],
+)  # fmt: skip
+def test_keys_that_would_do_nothing_are_refused(tmp_path, data, flags, fragment):
+    with pytest.raises(ArgumentError, match=fragment):
+        training_args(tmp_path, offload=str(write(tmp_path, data)), **flags)
 
 
 def test_validate_config_command(tmp_path):

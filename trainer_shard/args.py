@@ -13,6 +13,7 @@ this release are refused with a message saying so, never accepted and ignored:
 
 import enum
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +36,7 @@ class ShardedDDPOption(str, enum.Enum):
 STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3)
 
 # See [Note: unbuilt options].
-BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2})
-OFFLOAD_BUILT = False
+BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.OFFLOAD})
 
 _NOT_BUILT = {
     ShardedDDPOption.SIMPLE: "the ZeRO-1 sharded optimizer",
@@ -105,18 +105,68 @@ def _offload_problems(args, options) -> list:
             "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
             "and drop 'offload' from --sharded_ddp"
         ]
-    from .config import load_config
+    from .config import load_config, stage_problems
+    from .config.apply import plan
     from .errors import ConfigError
 
     try:
         loaded = load_config(config, training_args=args, world_size=world_size_from_env())
     except ConfigError as e:
         return [f"--offload {path}: {where}: {message}" for where, message in e.problems]
-    stage = 2 if ShardedDDPOption.ZERO_DP_2 in options else 1 if ShardedDDPOption.SIMPLE in options else None
+    stage = stage_from_options(options)
     if stage is not None and loaded.stage not in (0, stage):
         return [f"--offload {path}: zero_optimization.stage is {loaded.stage} but --sharded_ddp asks for stage {stage}; "
                 "make them agree"]  # fmt: skip
-    return []
+    problems = [f"--offload {path}: {where}: {message}"
+                for where, message in stage_problems(loaded, stage, world_size_from_env())]  # fmt: skip
+    if problems:
+        return problems
+    effective, spec = plan(loaded, stage, world_size_from_env())
+    problems += _apply_config_to_args(args, loaded, effective, spec, path)
+    args.offload_config = loaded
+    return problems
+
+
+def stage_from_options(options):
+    """The ZeRO stage `--sharded_ddp` asks for: 2 (zero_dp_2), 1 (simple) or None."""
+    if ShardedDDPOption.ZERO_DP_2 in options:
+        return 2
+    if ShardedDDPOption.SIMPLE in options:
+        return 1
+    return None
+
+
+def _apply_config_to_args(args, config, stage, spec, path) -> list:
+    """The TrainingArguments side of a config: precision, DDP buckets, and what cannot be honoured."""
+    problems = []
+    if config.precision in ("bf16", "fp16") and not getattr(args, config.precision):
+        logger.info("--offload %s turns on %s", path, config.precision)
+        setattr(args, config.precision, True)
+    zero = config.raw.get("zero_optimization", {})
+    if stage == 1 and isinstance(zero.get("reduce_bucket_size"), int):
+        # stage 1 reduces through DDP: its bucket is the config's reduce bucket
+        element = 2 if config.precision in ("bf16", "fp16") or args.bf16 or args.fp16 else 4
+        cap_mb = max(1, math.ceil(zero["reduce_bucket_size"] * element / 2**20))
+        if args.ddp_bucket_cap_mb not in (None, cap_mb):
+            problems.append(f"--offload {path}: zero_optimization.reduce_bucket_size is {zero['reduce_bucket_size']:,} "
+                            f"elements ({cap_mb} MB) but --ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one")  # fmt: skip
+        args.ddp_bucket_cap_mb = cap_mb
+    fp16_settings = [k for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
+                     if k in config.raw.get("fp16", {})]  # fmt: skip
+    if stage is None and fp16_settings and (args.fp16 or config.precision == "fp16"):
+        problems.append(f"--offload {path}: fp16.{fp16_settings[0]} sets the sharded optimizer's loss scaler, and this "
+                        "run has no sharding (stage 0, no offload): the Trainer's own GradScaler is used; remove it or "
+                        "set zero_optimization.stage")  # fmt: skip
+    if spec is not None and spec.device == "nvme":
+        from .offload.store import OffloadStoreError, check_disk_store
+
+        try:
+            check_disk_store(spec.nvme_path, 0, 0)  # room is checked once the model's size is known
+        except OffloadStoreError as e:
+            problems.append(f"--offload {path}: {e}")
+    if spec is not None and spec.pin_memory and not has_accelerator():
+        logger.info("--offload %s: pin_memory applies to CUDA host-device copies; this run has no GPU", path)
+    return problems
 
 
 def _peer_problems(args, options) -> list:
@@ -128,7 +178,9 @@ def _peer_problems(args, options) -> list:
     if options and getattr(args, "fsdp", None):
         problems.append("--sharded_ddp and --fsdp are two sharding engines; use one of them")
     optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
-    if any(o in STRATEGIES for o in options) and any(word in optim for word in _UNSHARDABLE_OPTIM):
+    config = getattr(args, "offload_config", None)
+    sharded = any(o in STRATEGIES for o in options) or (config is not None and (config.stage > 0 or config.offload_device != "none"))
+    if sharded and (config is None or config.optimizer is None) and any(word in optim for word in _UNSHARDABLE_OPTIM):
         problems.append(
             f"--optim {optim} cannot be sharded: its update of an element depends on the whole tensor, which a flat "
             "shard does not keep; use --optim adamw_torch_fused (or another elementwise optimizer) with --sharded_ddp"
@@ -147,11 +199,6 @@ def _unbuilt_problems(options, offload) -> list:
         for o in options
         if o not in BUILT_OPTIONS
     ]
-    if offload and not OFFLOAD_BUILT:
-        problems.append(
-            "--offload: the offload engine is not in this release of trainer_shard; drop --offload to train "
-            "with everything in device memory"
-        )
     return problems
 
 
@@ -204,6 +251,7 @@ class ShardingArguments:
     )
 
     def __post_init__(self):
+        self.offload_config = None  # the loaded --offload config (config.OffloadConfig)
         options, problems = parse_sharded_ddp(self.sharded_ddp)
         problems += _offload_problems(self, options)
         problems += _peer_problems(self, options)

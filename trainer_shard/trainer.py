@@ -17,6 +17,13 @@ Trainer would have built (same class, hyperparameters and weight-decay groups):
   master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
 - gradient clipping and the logged grad norm use the global norm over all shards;
   checkpoints hold the full optimizer state, consolidated on rank 0.
+
+With `--offload CONFIG.json` (or `--sharded_ddp "zero_dp_2 offload"`, CPU offload with the
+defaults) the optimizer's master weights and state go to the offload engine's store, CPU RAM
+or disk, and the config's sections take effect (`config.apply`): its ZeRO stage when
+`--sharded_ddp` names none, bucket sizes, `overlap_comm`, the optimizer (replacing `--optim`),
+the WarmupLR/WarmupDecayLR schedule (replacing `--lr_scheduler_type`) and the fp16 loss scaler.
+On one process, offload runs the ZeRO-2 path on a world of one.
 """
 
 import functools
@@ -30,9 +37,13 @@ from transformers.training_args import ParallelMode
 
 import torch
 
-from .args import ShardedDDPOption, world_size_from_env
+from .args import ShardedDDPOption, stage_from_options, world_size_from_env
+from .config import apply as config_apply
 from .errors import ArgumentError, DistributedSetupError
+from .offload import OffloadSpec
+from .offload.store import check_disk_store
 from .sharding import ShardedGradScaler, ShardedOptimizer
+from .sharding.optimizer import DEFAULT_BUCKET_NUMEL
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +106,7 @@ class ShardedTrainerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_distributed_setup(self.args)
+        self._plan_sharding()
         model = self.accelerator.unwrap_model(self.model)
         if self.model_accepts_loss_kwargs and not model_normalizes_by_num_items(model):
             # Per-batch mean losses, averaged over ranks by DDP and over micro-steps by the
@@ -107,15 +119,42 @@ class ShardedTrainerMixin:
 
     # ---- sharding -----------------------------------------------------------------------------
 
+    def _plan_sharding(self) -> None:
+        """The ZeRO stage and offload of this run, from the flags and the --offload config."""
+        options = getattr(self.args, "sharded_ddp", None) or []
+        self.offload_config = getattr(self.args, "offload_config", None)
+        self._sharding_stage, self.offload_spec = config_apply.plan(
+            self.offload_config, stage_from_options(options), world_size_from_env()
+        )
+        if ShardedDDPOption.OFFLOAD in options and self.offload_spec is None:
+            self.offload_spec = OffloadSpec("cpu")  # --sharded_ddp "zero_dp_2 offload": the defaults
+        config_optimizer = config_apply.optimizer_cls_and_kwargs(self.offload_config, self.args)
+        if config_optimizer is not None:
+            if self.optimizer_cls_and_kwargs is not None or self.optimizer is not None:
+                raise ArgumentError(
+                    "the --offload config has an `optimizer` section and the trainer was given its own optimizer; "
+                    "keep one"
+                )
+            self.optimizer_cls_and_kwargs = config_optimizer
+        if self.offload_spec is not None and self.offload_spec.device == "nvme":
+            model = self.accelerator.unwrap_model(self.model)
+            numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            world = max(1, world_size_from_env())
+            # master + two Adam moments of this rank's shard; the store checks the exact size again
+            needed = 12 * -(-numel // world)
+            check_disk_store(self.offload_spec.nvme_path, self.args.process_index, needed)
+
     @property
     def sharding_stage(self):
-        """1 for `--sharded_ddp simple`, 2 for `zero_dp_2`, None without sharding."""
-        options = getattr(self.args, "sharded_ddp", None) or []
-        if ShardedDDPOption.ZERO_DP_2 in options:
-            return 2
-        if ShardedDDPOption.SIMPLE in options:
-            return 1
-        return None
+        """1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process),
+        or None without sharding."""
+        return self._sharding_stage
+
+    def _bucket_numel(self) -> int:
+        config = self.offload_config
+        if config is None:
+            return DEFAULT_BUCKET_NUMEL
+        return config.reduce_bucket_size if self.sharding_stage == 2 else config.allgather_bucket_size
 
     def create_optimizer(self, model=None):
         stage = self.sharding_stage
@@ -123,19 +162,34 @@ class ShardedTrainerMixin:
             return super().create_optimizer(model)
         self._cast_model_for_mixed_precision(model if model is not None else self.model)
         plain = super().create_optimizer(model)
-        self.optimizer = ShardedOptimizer.wrap(plain, stage=stage, loss_scaler=bool(self.args.fp16))
+        scaler = config_apply.loss_scaler(self.offload_config) if self.args.fp16 else None
+        overlap = self.offload_config.overlap_comm if self.offload_config is not None else True
+        self.optimizer = ShardedOptimizer.wrap(
+            plain, stage=stage, loss_scaler=scaler, offload=self.offload_spec, bucket_numel=self._bucket_numel(),
+            overlap_comm=overlap,
+        )  # fmt: skip
         self._adopt_sharded_optimizer(self.optimizer)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None and self.offload_config is not None and self.offload_config.scheduler is not None:
+            self.lr_scheduler = config_apply.make_scheduler(
+                self.offload_config, optimizer or self.optimizer, num_training_steps, self.args.learning_rate
+            )
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     def _adopt_sharded_optimizer(self, optimizer) -> None:
         """Make the Trainer step through `optimizer`; refuse one that would silently not shard."""
         stage = self.sharding_stage
-        if not isinstance(optimizer, ShardedOptimizer) or optimizer.stage != stage:
+        if not isinstance(optimizer, ShardedOptimizer) or optimizer.stage != stage or (
+            (optimizer.offload is None) != (self.offload_spec is None)
+        ):
             raise ArgumentError(
                 f"--sharded_ddp asks for ZeRO-{stage} but the trainer was given {type(optimizer).__name__}"
-                f"{f' at stage {optimizer.stage}' if isinstance(optimizer, ShardedOptimizer) else ''} through "
+                f"{f' at stage {optimizer.stage}, offload {optimizer.offload}' if isinstance(optimizer, ShardedOptimizer) else ''} through "
                 f"optimizers=(...); let the trainer build it (optimizer_cls_and_kwargs=...), or pass "
-                f"ShardedOptimizer.wrap(your_optimizer, stage={stage})"
+                f"ShardedOptimizer.wrap(your_optimizer, stage={stage}, offload={self.offload_spec})"
             )
         if self.args.fp16 and optimizer.loss_scaler is None:
             raise ArgumentError("--fp16 needs the ShardedOptimizer built with loss_scaler=True")

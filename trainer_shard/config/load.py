@@ -58,7 +58,12 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
         _against_training_args(tree, training_args, world_size, problems)
     if problems:
         raise ConfigError(source, problems)
-    return _build(tree, data)
+    config = _build(tree, data)
+    if training_args is None:  # alone: its own stage; with the arguments, args.py checks the run's stage
+        problems = stage_problems(config, None, world_size)
+        if problems:
+            raise ConfigError(source, problems)
+    return config
 
 
 def _under(path: str, bad: set) -> bool:
@@ -201,18 +206,62 @@ def _cross_field(tree: dict, world_size: int, problems: list) -> None:
     if offload["nvme_path"] and offload["device"] != "nvme":
         problems.append(("$.zero_optimization.offload_optimizer.nvme_path",
                          f'is only used with device "nvme" (device is "{offload["device"]}"); remove it or set device'))  # fmt: skip
-    offloading = offload["device"] != "none" or zero["cpu_offload"]
-    if offloading and zero["stage"] == 0 and world_size > 1:
-        problems.append(("$.zero_optimization.stage",
-                         f"offload with {world_size} ranks needs stage 1 or 2, so that each rank offloads its own shard"))  # fmt: skip
     if tree["fp16"]["enabled"] is True and tree["bf16"]["enabled"] is True:
         problems.append(("$.fp16.enabled", "fp16 and bf16 are both enabled; enable one"))
     scheduler = tree["scheduler"]
     if scheduler["type"] is None and any(v is not None for v in scheduler["params"].values() if v != "log"):
         problems.append(("$.scheduler.type", "params without a type; name WarmupLR or WarmupDecayLR"))
     optimizer = tree["optimizer"]
-    if optimizer["type"] == "SGD" and any(optimizer["params"].get(k) is not None for k in ("betas", "eps")):
-        problems.append(("$.optimizer.params", "betas and eps are Adam arguments; SGD takes lr, momentum, weight_decay"))
+    if optimizer["type"] == "SGD" and any(optimizer["params"].get(k) is not None for k in ("betas", "eps", "adam_w_mode")):
+        problems.append(("$.optimizer.params", "betas, eps and adam_w_mode are Adam arguments; SGD takes lr, momentum, "
+                         "weight_decay"))  # fmt: skip
+    if optimizer["type"] != "SGD" and optimizer["params"].get("momentum") is not None:
+        problems.append(("$.optimizer.params.momentum", f"is an SGD argument; {optimizer['type']} takes betas"))
+    if optimizer["type"] == "AdamW" and optimizer["params"].get("adam_w_mode") is False:
+        problems.append(("$.optimizer.params.adam_w_mode", 'false means L2 weight decay, which AdamW is not; use type "Adam"'))
+    _fp16_rules(tree, problems)
+
+
+def stage_problems(config: "OffloadConfig", stage, world_size: int = 1) -> list:
+    """Keys that mean something only at some ZeRO stages, refused where they would do nothing.
+
+    `stage` is the run's stage from `--sharded_ddp`, or None to take the config's own.
+    """
+    if stage is None:
+        stage = config.stage or (2 if config.offload_device != "none" and world_size == 1 else None)
+    zero = config.raw.get("zero_optimization", {}) if isinstance(config.raw, dict) else {}
+    problems = []
+    if stage is None and config.offload_device != "none":
+        problems.append(("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1 or 2 (or "
+                         "--sharded_ddp simple|zero_dp_2), so that each rank offloads its own shard"))  # fmt: skip
+    explicit = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if _explicit(zero.get(k))}
+    if stage == 2 and len(explicit) == 2 and explicit["reduce_bucket_size"] != explicit["allgather_bucket_size"]:
+        problems.append(("$.zero_optimization.allgather_bucket_size",
+                         f"is {explicit['allgather_bucket_size']} but reduce_bucket_size is {explicit['reduce_bucket_size']}: "
+                         'stage 2 reduce-scatters and all-gathers the same buckets; make them equal (or "auto")'))  # fmt: skip
+    if stage == 1 and zero.get("overlap_comm") is False:
+        problems.append(("$.zero_optimization.overlap_comm",
+                         "false applies to stage 2; at stage 1 DDP reduces the gradients and always overlaps; remove it"))  # fmt: skip
+    if stage is None:
+        for key in explicit:
+            problems.append((f"$.zero_optimization.{key}", "means nothing without sharding (stage 0, no offload); "
+                             "remove it or set stage 1 or 2"))  # fmt: skip
+        if "overlap_comm" in zero:
+            problems.append(("$.zero_optimization.overlap_comm", "means nothing without sharding (stage 0, no offload); "
+                             "remove it or set stage 2"))  # fmt: skip
+    return problems
+
+
+def _explicit(value) -> bool:
+    return value is not None and value != AUTO
+
+
+def _fp16_rules(tree: dict, problems: list) -> None:
+    fp16 = tree["fp16"]
+    if fp16["enabled"] is False:
+        changed = [k for k, spec in TOP["fp16"].children.items() if k != "enabled" and fp16[k] != spec.default]
+        for key in changed:
+            problems.append((f"$.fp16.{key}", "is a loss-scale setting but fp16 is not enabled; remove it or enable fp16"))
 
 
 def _against_training_args(tree: dict, args, world_size: int, problems: list) -> None:

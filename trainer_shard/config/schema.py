@@ -49,6 +49,8 @@ OPTIMIZER_PARAMS = {
     "eps": Key("float", "Adam epsilon", auto=True, minimum=0.0, exclusive_minimum=True),
     "weight_decay": Key("float", "decoupled weight decay", auto=True, minimum=0.0),
     "momentum": Key("float", "SGD momentum", minimum=0.0),
+    "adam_w_mode": Key("bool", "type Adam only: true (the default, as in DeepSpeed) = decoupled weight decay "
+                       "(AdamW); false = L2 penalty (torch Adam)"),
 }
 
 OPTIMIZER = {

@@ -1,7 +1,8 @@
-"""The offload engine's parts: stores (CPU RAM, disk) and the chunked AdamW step that streams a
-shard through them. `--offload` is not wired to them yet (see configs/README.md)."""
+"""The offload engine: fp32 master weights and optimizer state of this rank's shard in CPU RAM or
+on disk, streamed through a CPU step chunk by chunk. `ShardedOptimizer(offload=OffloadSpec(...))`
+uses it; `--offload CONFIG.json` configures it (see configs/README.md)."""
 
+from .engine import OffloadEngine, OffloadSpec
 from .store import CpuStore, DiskStore, OffloadStoreError
-from .stream import ChunkedAdamW
 
-__all__ = ["ChunkedAdamW", "CpuStore", "DiskStore", "OffloadStoreError"]
+__all__ = ["CpuStore", "DiskStore", "OffloadEngine", "OffloadSpec", "OffloadStoreError"]

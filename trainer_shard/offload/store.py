@@ -1,7 +1,8 @@
 """Where offloaded shard tensors live: CPU RAM or memmap files on disk.
 
-A store holds named flat fp32 tensors of the shard's size ("master", "exp_avg", ...), read and
-written by ranges; the engine streams through it chunk by chunk and decides what moves where.
+A store holds named flat fp32 tensors ("0.master", "0.exp_avg", ...: one set per flat group of
+the shard, each of its own size), read and written by ranges; the engine streams through it
+chunk by chunk and decides what moves where.
 
 - `CpuStore`: plain tensors in RAM, page-locked (pinned) when CUDA is present and asked for,
   so host-device copies can run asynchronously.
@@ -30,17 +31,22 @@ class OffloadStoreError(TrainerShardError):
 class CpuStore:
     """Tensors in RAM. `read` returns views (no copy); `write` of a view onto itself is free."""
 
-    def __init__(self, names, numel: int, *, pin_memory: bool = False):
-        self.names = list(names)
-        self.numel = numel
+    def __init__(self, sizes: dict, *, pin_memory: bool = False):
+        self.sizes = dict(sizes)
         self.pinned = bool(pin_memory and torch.cuda.is_available())
-        self._tensors = {n: torch.zeros(numel, dtype=torch.float32, pin_memory=self.pinned) for n in self.names}
+        self._tensors = {n: torch.zeros(k, dtype=torch.float32, pin_memory=self.pinned) for n, k in self.sizes.items()}
 
-    def read(self, name: str, start: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        view = self._tensors[name][start : start + (out.numel() if out is not None else self.numel - start)]
-        if out is None:
-            return view
-        return out.copy_(view)
+    def add(self, sizes: dict) -> None:
+        for name, numel in sizes.items():
+            self._tensors[name] = torch.zeros(numel, dtype=torch.float32, pin_memory=self.pinned)
+        self.sizes.update(sizes)
+
+    def view(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of `name`, in place."""
+        return self._tensors[name][start:end]
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self._tensors[name][start : start + out.numel()])
 
     def write(self, name: str, start: int, data: torch.Tensor) -> None:
         target = self._tensors[name][start : start + data.numel()]
@@ -54,24 +60,29 @@ class CpuStore:
 class DiskStore:
     """Files under `folder/rank<rank>/`; see the module docstring."""
 
-    def __init__(self, names, numel: int, folder, *, rank: int = 0):
+    def __init__(self, sizes: dict, folder, *, rank: int = 0):
         self.folder = Path(folder) / f"rank{rank}"
         self._made_parent = not self.folder.parent.exists()
-        self.names = list(names)
-        self.numel = numel
-        needed = 4 * numel * len(self.names)
-        _check_writable(self.folder, needed)
+        self.sizes = {}
         self._fds = {}
+        self.add(sizes)
+
+    def add(self, sizes: dict) -> None:
+        """Create (and reserve on disk) the files of more tensors."""
+        needed = bytes_needed(sizes)
+        _check_writable(self.folder, needed)
+        self.sizes.update(sizes)
         try:
-            for name in self.names:
+            for name, numel in sizes.items():
                 fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
                 self._fds[name] = fd
-                os.posix_fallocate(fd, 0, 4 * numel)  # reserve the space now: no ENOSPC mid-run
+                if numel:
+                    os.posix_fallocate(fd, 0, 4 * numel)  # reserve the space now: no ENOSPC mid-run
         except OSError as e:
             self.close()
             raise OffloadStoreError(
-                f"cannot create the disk store in {str(self.folder)!r} ({needed:,} bytes for {len(self.names)} "
-                f"tensors of {numel:,} fp32 values): {e.strerror or e}"
+                f"cannot create the disk store in {str(self.folder)!r} ({needed:,} bytes for {len(self.sizes)} "
+                f"fp32 tensors): {e.strerror or e}; free some space or point nvme_path to a larger disk"
             ) from None
 
     def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
@@ -105,7 +116,16 @@ class DiskStore:
                 pass  # other ranks' folders are still there
 
 
-def _check_writable(folder: Path, needed: int) -> None:
+def bytes_needed(sizes: dict) -> int:
+    return 4 * sum(sizes.values())
+
+
+def check_disk_store(folder, rank: int, needed: int) -> None:
+    """The checks `DiskStore` makes before it writes anything, for a run to make at start."""
+    _check_writable(Path(folder) / f"rank{rank}", needed, create=False)
+
+
+def _check_writable(folder: Path, needed: int, create: bool = True) -> None:
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < needed:
@@ -113,6 +133,18 @@ def _check_writable(folder: Path, needed: int) -> None:
             f"the disk store needs {needed:,} bytes in {str(folder)!r} but only {free:,} are free; free some space "
             "or point nvme_path to a larger disk"
         )
+    if not create:
+        if not os.access(existing, os.W_OK):
+            raise OffloadStoreError(
+                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not writable; set "
+                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+            )
+        if not existing.is_dir():
+            raise OffloadStoreError(
+                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not a folder; set "
+                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+            )
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -8,7 +8,11 @@ inner optimizer steps, one tensor per bucket (`master_views`):
 - fp32 parameters: the master *is* the parameter storage (views of this rank's slices of the
   buffer), so no weight is stored twice;
 - 16-bit parameters: a separate contiguous fp32 master shard, copied into the buffer in the
-  parameters' dtype after each step.
+  parameters' dtype after each step;
+- offloaded (`offloaded=True`): no master here at all; the offload engine keeps it in its store
+  and writes each updated chunk into the buffer (`write_shard`). The gradient shard then stays
+  in the parameters' dtype (2 bytes an element for bf16/fp16): the engine upcasts it a chunk at
+  a time.
 
 [Note: parameters edited from outside] `load_best_model_at_end`, loading weights on resume or a
 user's `model.load_state_dict` write into the parameters in place, behind the optimizer's back.
@@ -19,6 +23,8 @@ and `refresh_master` reloads the master from the buffer, so the next step does n
 weights back. A parameter whose `.data` was replaced is copied back into the buffer.
 """
 
+import bisect
+
 import torch
 
 from .. import comm
@@ -26,20 +32,26 @@ from .partition import FlatLayout
 
 
 class FlatGroup:
-    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None):
+    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, *, offloaded: bool = False):
         self.params = params
         self.layout = layout
         self.rank = rank
         self.group = group
+        self.offloaded = offloaded
         self.segments = layout.segments(rank)
+        self._shard_starts = [b.shard_offset for b in layout.buckets]
         first = params[0]
         self.buffer = torch.zeros(layout.total_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, slot in zip(params, layout.slots):
                 self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self._view(slot)
-        self.grad = torch.zeros(layout.shard_numel, dtype=torch.float32, device=first.device)
-        if first.dtype == torch.float32:
+        grad_dtype = first.dtype if offloaded else torch.float32
+        self.grad = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=first.device)
+        if offloaded:
+            self.master = None
+            self.master_views = []
+        elif first.dtype == torch.float32:
             self.master = None
             self.master_views = [self.buffer[slice(*b.slice_range(rank))] for b in layout.buckets]
         else:
@@ -63,6 +75,37 @@ class FlatGroup:
         """`bucket`'s slice of a shard-sized tensor (master, grad, optimizer state)."""
         return tensor[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
 
+    @property
+    def separate_master(self) -> bool:
+        """Whether the weights the optimizer steps are a copy of the parameters (16-bit, or offloaded)."""
+        return self.master is not None or self.offloaded
+
+    def _buffer_pieces(self, start: int, numel: int):
+        """(offset in [start, start + numel), this rank's buffer slice) covering that range of the shard."""
+        end = start + numel
+        i = max(bisect.bisect_right(self._shard_starts, start) - 1, 0)
+        buckets = self.layout.buckets
+        while i < len(buckets) and buckets[i].shard_offset < end:
+            bucket = buckets[i]
+            lo, hi = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_numel)
+            if lo < hi:
+                first = bucket.slice_range(self.rank)[0] - bucket.shard_offset
+                yield lo - start, self.buffer[first + lo : first + hi]
+            i += 1
+
+    @torch.no_grad()
+    def write_shard(self, start: int, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """This rank's parameters, shard elements [start, start + len(values)) <- `values` (cast)."""
+        for offset, target in self._buffer_pieces(start, values.numel()):
+            target.copy_(values[offset : offset + target.numel()], non_blocking=non_blocking)
+
+    @torch.no_grad()
+    def read_shard(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        """`out` <- this rank's parameters, shard elements [start, start + len(out)) (cast)."""
+        for offset, source in self._buffer_pieces(start, out.numel()):
+            out[offset : offset + source.numel()].copy_(source)
+        return out
+
     @torch.no_grad()
     def load_master(self, shard: torch.Tensor) -> None:
         for view, bucket in zip(self.master_views, self.layout.buckets):
@@ -80,15 +123,18 @@ class FlatGroup:
         return tuple(p._version for p in self.params)
 
     @torch.no_grad()
-    def follow_outside_edits(self) -> None:
-        """Re-adopt replaced `.data`; reload a separate master if parameters were written."""
+    def follow_outside_edits(self) -> bool:
+        """Re-adopt replaced `.data`; True if a separate master must be reloaded from the parameters."""
         for p, slot in zip(self.params, self.layout.slots):
             view = self.buffer[slot.offset : slot.offset + slot.numel]
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != p.shape:
                 view.copy_(p.data.reshape(-1))
                 p.data = self._view(slot)
-        if self.master is not None and self._versions() != self._seen_versions:
-            self.refresh_master()
+        return self.separate_master and self._versions() != self._seen_versions
+
+    def mark_seen(self) -> None:
+        """The master now matches the parameters as they are."""
+        self._seen_versions = self._versions()
 
     @torch.no_grad()
     def copy_grads_to_shard(self) -> None:
@@ -106,13 +152,14 @@ class FlatGroup:
         """Updated shards -> every rank's flat buffer (all-gather, bucket by bucket). Collective.
 
         In place: this rank's slice of the buffer is the all-gather's input (for 16-bit parameters
-        the fp32 master is first cast into it), so no copy of the shard is made.
+        the fp32 master is first cast into it; the offload engine has already written it), so no
+        copy of the shard is made.
         """
         works = []
-        for view, bucket in zip(self.master_views, self.layout.buckets):
+        for bucket in self.layout.buckets:
             mine = self.buffer[slice(*bucket.slice_range(self.rank))]
             if self.master is not None:
-                mine.copy_(view)
+                mine.copy_(self.shard_of(self.master, bucket))
             works.append(comm.all_gather(self.bucket_view(bucket), mine, self.group, async_op=True))
         for work in works:
             work.wait()

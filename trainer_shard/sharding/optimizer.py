@@ -11,6 +11,12 @@ and the inner optimizer's state live for that shard alone (see `flat.FlatGroup`)
 step the updated shards are all-gathered back into the model's parameters (in their own dtype,
 bf16 or fp16 for mixed precision).
 
+With `offload=OffloadSpec(...)` the master weights and the inner optimizer's state of the shard
+live in the offload engine's store (CPU RAM or disk) instead, and are streamed through a CPU
+step chunk by chunk (see `offload.engine`); the gradient shard stays in the parameters' dtype.
+Who holds the state is the inner stepper's business (`_OnDevice` or `OffloadEngine`); this
+class does not branch on where things live.
+
 [Note: collective methods] The constructor, `add_param_group`, `step`, `clip_grad_norm`,
 `consolidate_state_dict` and `load_state_dict` are collectives: call them on every rank, in the
 same order, or the job hangs.
@@ -56,13 +62,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         stage: 1 (optimizer state sharded) or 2 (gradients too).
         bucket_numel: elements per communication bucket.
         loss_scaler: a `DynamicLossScaler` for fp16 (or True for the default one).
+        offload: an `OffloadSpec`: master weights and optimizer state in CPU RAM or on disk.
+        overlap_comm: ZeRO-2: reduce buckets while backward runs (False: all at its end).
         assume_elementwise: shard an optimizer not in `ELEMENTWISE` anyway, on your word.
         **defaults: the inner optimizer's arguments (lr, betas, weight_decay, fused...).
     """
 
     def __init__(self, params, optim=None, group=None, *, optimizer_class=None, stage: int = 1,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, loss_scaler=None, assume_elementwise: bool = False,
-                 **defaults):  # fmt: skip
+                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, loss_scaler=None, offload=None,
+                 assume_elementwise: bool = False, overlap_comm: bool = True, **defaults):  # fmt: skip
         self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
         if stage not in (1, 2):
             raise ShardingError(f"stage must be 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
@@ -73,15 +81,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = DynamicLossScaler() if loss_scaler is True else (loss_scaler or None)
         self.flats = []  # FlatGroups; `_flat_owner[i]` is the param group of flats[i]
         self._flat_owner = []
-        self.reducer = GradReducer(group) if stage == 2 else None
+        self.reducer = GradReducer(group, overlap=overlap_comm) if stage == 2 else None
         self._building = True
         super().__init__(params, defaults)  # calls add_param_group for each group
         self._building = False
+        self.offload = offload
+        if offload is None:
+            self.inner = _OnDevice(self.optim_class, self.defaults)
+        else:
+            from ..offload.engine import OffloadEngine
+
+            self.inner = OffloadEngine(offload, self.optim_class, self.defaults, rank=self.rank)
         for index in range(len(self.param_groups)):
             self._build_flats(index)
         if not self.flats:
             raise ShardingError("no trainable parameter: every parameter has requires_grad=False")
-        self.optim = self.optim_class([self._inner_group(i) for i in range(len(self.flats))], **self.defaults)
+        self._grad_factors = []  # offload: 1/loss scale and clip coefficients, applied in the step
         self._grads_ready = False
         self.found_inf = False
         self.step_was_skipped = False
@@ -103,11 +118,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._building:
             return  # the constructor flattens every group once the inner optimizer exists
-        index = len(self.param_groups) - 1
-        first_new = len(self.flats)
-        self._build_flats(index)
-        for i in range(first_new, len(self.flats)):
-            self.optim.add_param_group(self._inner_group(i))
+        self._build_flats(len(self.param_groups) - 1)
 
     def _build_flats(self, index: int) -> None:
         params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
@@ -117,11 +128,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             by_kind[(p.dtype, p.device)].append(p)
         for kind_params in by_kind.values():
             layout = plan_layout([p.numel() for p in kind_params], self.world_size, self.bucket_numel)
-            flat = FlatGroup(kind_params, layout, self.rank, self.group)
+            flat = FlatGroup(kind_params, layout, self.rank, self.group, offloaded=self.offload is not None)
             comm.broadcast(flat.buffer, 0, self.group)  # every rank starts from rank 0's weights
             flat.refresh_master()
             self.flats.append(flat)
             self._flat_owner.append(index)
+            self.inner.add(flat, self._hyperparameters(len(self.flats) - 1))
             if self.reducer is not None:
                 self.reducer.add(flat)
 
@@ -129,12 +141,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The outer group's settings (lr as the scheduler left it, weight_decay...) for flats[i]."""
         return {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
 
-    def _inner_group(self, flat_index: int) -> dict:
-        return {"params": self.flats[flat_index].master_views, **self._hyperparameters(flat_index)}
-
-    def _sync_hyperparameters(self) -> None:
-        for flat_index, inner in enumerate(self.optim.param_groups):
-            inner.update(self._hyperparameters(flat_index))
+    @property
+    def optim(self):
+        """The inner torch optimizer over the master shards (None when they are offloaded)."""
+        return getattr(self.inner, "optim", None)
 
     # ---- gradients -------------------------------------------------------------------------
 
@@ -155,13 +165,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 flat.copy_grads_to_shard()
         self.found_inf = False
         if self.loss_scaler is not None:
-            inv = 1.0 / self.loss_scaler.scale
             bad = torch.zeros(1, device=self._device())
             for flat in self.flats:
-                flat.grad.mul_(inv)
                 bad += (~torch.isfinite(flat.grad)).any()
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
+            self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
+
+    def _scale_grads(self, factor) -> None:
+        """Multiply the gradient shards by `factor`: in place in fp32, or (offload) in the step,
+        on each fp32 chunk, so a 16-bit shard is never rescaled in its own precision."""
+        if self.offload is not None:
+            self._grad_factors.append(factor)
+            return
+        for flat in self.flats:
+            flat.grad.mul_(factor)
+
+    def _pending_factor(self) -> float:
+        product = 1.0
+        for factor in self._grad_factors:
+            product *= float(factor)
+        return product
 
     def _device(self):
         return self.flats[0].grad.device
@@ -172,11 +196,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.prepare_grads()
         norm_type = float(norm_type)
         with record_function("trainer_shard::grad_norm"):
+            scale = abs(self._pending_factor())
             if norm_type == float("inf"):
-                local = torch.stack([f.grad.abs().max() for f in self.flats]).max().reshape(1)
-                return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0]
+                local = torch.stack([f.grad.abs().max().float() for f in self.flats]).max().reshape(1)
+                return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0] * scale
             local = sum(_power_sum(f.grad, norm_type) for f in self.flats).reshape(1)
-            return (comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)).float()
+            total = comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)
+            return (total * scale).float() if scale != 1.0 else total.float()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -187,8 +213,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         total = self.global_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if coef < 1.0:
-            for flat in self.flats:
-                flat.grad.mul_(coef)
+            self._scale_grads(coef)
         return total
 
     def grad_norm(self) -> torch.Tensor:
@@ -219,14 +244,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with record_function("trainer_shard::optim_step"):
-            for flat in self.flats:
-                flat.follow_outside_edits()
+            for index, flat in enumerate(self.flats):
+                if flat.follow_outside_edits():
+                    self.inner.refresh_master(index, flat)
+                    flat.mark_seen()
             self.prepare_grads()
             if self.found_inf:
                 self.skip_step()
                 return loss
-            self._sync_hyperparameters()
-            self.optim.step()
+            hypers = [self._hyperparameters(i) for i in range(len(self.flats))]
+            self.inner.step(hypers, list(self._grad_factors))
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
         with record_function("trainer_shard::all_gather"):
@@ -247,6 +274,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _clear_grads(self) -> None:
         for flat in self.flats:
             flat.grad.zero_()
+        self._grad_factors = []
         self._grads_ready = False
         self.found_inf = False
 
@@ -273,12 +301,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         ids = self._param_ids()
         state, masters = {}, {}
-        for flat in self.flats:
-            inner = _shard_state(self.optim.state, flat)
+        for index, flat in enumerate(self.flats):
+            inner = self.inner.shard_state(index)
             keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.grad)), self.group)[0]
             pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
-            if flat.master is not None:  # fp32 parameters are their own masters: nothing to gather
-                pieces["__master__"] = _gather_to(flat.master, to, self.group)
+            master = self.inner.master(index)
+            if master is not None:  # fp32 parameters are their own masters: nothing to gather
+                pieces["__master__"] = _gather_to(master, to, self.group)
             if self.rank != to:
                 continue
             for key, stacked in pieces.items():
@@ -317,11 +346,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._consolidated is not None:
             return self._consolidated
+        masters = [self.inner.master(i) for i in range(len(self.flats))]
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
-            "inner": self.optim.state_dict(),
+            "inner": [self.inner.shard_state(i) for i in range(len(self.flats))],
             # fp32 parameters are their own masters (saved with the model): None
-            "masters": [None if flat.master is None else flat.master.detach().clone() for flat in self.flats],
+            "masters": [None if m is None else m.detach().clone() for m in masters],
             "param_groups": self._groups_for_state_dict(self._param_ids()),
             **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
         }
@@ -333,10 +363,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"this optimizer state is rank {shard['rank']}'s shard of {shard['world_size']}, but this is rank "
                 f"{self.rank} of {self.world_size}; load the consolidated state (consolidate_state_dict) instead"
             )
-        self.optim.load_state_dict(state_dict["inner"])
-        for flat, master in zip(self.flats, state_dict["masters"]):
+        for index, (state, master) in enumerate(zip(state_dict["inner"], state_dict["masters"])):
+            self.inner.load_shard_state(index, state)
             if master is not None:
-                flat.load_master(master)
+                self.inner.load_master(index, master)
+            else:
+                self.inner.refresh_master(index, self.flats[index])
+            self.flats[index].mark_seen()
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -360,7 +393,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ids = self._param_ids()
         saved_state = state_dict.get("state", {})
         masters = state_dict.get("master_params")
-        for flat in self.flats:
+        for index, flat in enumerate(self.flats):
             pids = [ids[p] for p in flat.params]
             per_param = [saved_state.get(pid, saved_state.get(str(pid), {})) for pid in pids]
             inner = {}
@@ -372,33 +405,81 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     inner[key] = values[0].detach().clone().to(flat.grad.device)
                 else:
                     inner[key] = values[0]
-            for view, bucket in zip(flat.master_views, flat.layout.buckets):
-                self.optim.state[view] = {
-                    k: flat.shard_of(v, bucket).clone() if _per_element(k, v, flat.grad) else
-                    (v.clone() if torch.is_tensor(v) else v) for k, v in inner.items()
-                }  # fmt: skip
-            if masters is not None and flat.master is not None:
-                flat.load_master(_shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
+            self.inner.load_shard_state(index, inner)
+            if masters is not None and flat.separate_master and flat.dtype != torch.float32:
+                self.inner.load_master(index, _shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
             else:
-                flat.refresh_master()
+                self.inner.refresh_master(index, flat)
+            flat.mark_seen()
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self._sync_hyperparameters()
 
     # ---- reporting -------------------------------------------------------------------------
 
     def shard_bytes(self) -> dict:
-        """Bytes this rank holds for its shards: master weights, gradients, optimizer state."""
-        state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
-                    if torch.is_tensor(v))  # fmt: skip
-        return {
-            "master": sum(f.master.numel() * f.master.element_size() for f in self.flats if f.master is not None),
-            "grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats),
-            "optimizer_state": state,
-        }
+        """Bytes this rank holds for its shards on the compute device (master weights, gradients,
+        optimizer state) and, offloaded, in the store."""
+        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats), **self.inner.state_bytes()}
+
+    def close(self) -> None:
+        """Free the offload store (a disk store deletes its files). Also done at exit."""
+        self.inner.close()
 
     def __repr__(self) -> str:
-        return f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}, optim={self.optim!r})"
+        where = f", offload={self.offload.device}" if self.offload is not None else ""
+        return (f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}{where}, "
+                f"optim={self.optim_class.__name__}({self.defaults}))")  # fmt: skip
+
+
+class _OnDevice:
+    """The inner torch optimizer steps the master shards where they are (no offload)."""
+
+    def __init__(self, optim_class, defaults: dict):
+        self.optim_class, self.defaults = optim_class, defaults
+        self.optim = None
+        self.flats = []
+
+    def add(self, flat: FlatGroup, hyper: dict) -> None:
+        group = {"params": flat.master_views, **hyper}
+        if self.optim is None:
+            self.optim = self.optim_class([group], **self.defaults)
+        else:
+            self.optim.add_param_group(group)
+        self.flats.append(flat)
+
+    def step(self, hypers: list, factors) -> None:
+        for inner, hyper in zip(self.optim.param_groups, hypers):  # lr as the scheduler left it...
+            inner.update(hyper)
+        self.optim.step()
+
+    def shard_state(self, index: int) -> dict:
+        return _shard_state(self.optim.state, self.flats[index])
+
+    def load_shard_state(self, index: int, state: dict) -> None:
+        flat = self.flats[index]
+        for view, bucket in zip(flat.master_views, flat.layout.buckets):
+            self.optim.state[view] = {
+                k: flat.shard_of(v, bucket).clone() if _per_element(k, v, flat.grad) else
+                (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()
+            }  # fmt: skip
+
+    def master(self, index: int):
+        return self.flats[index].master  # None: fp32 parameters are their own masters
+
+    def load_master(self, index: int, value: torch.Tensor) -> None:
+        self.flats[index].load_master(value)
+
+    def refresh_master(self, index: int, flat: FlatGroup) -> None:
+        flat.refresh_master()
+
+    def state_bytes(self) -> dict:
+        state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
+                    if torch.is_tensor(v))  # fmt: skip
+        master = sum(f.master.numel() * f.master.element_size() for f in self.flats if f.master is not None)
+        return {"master": master, "optimizer_state": state}
+
+    def close(self) -> None:
+        pass
 
 
 def _resolve_class(optim, optimizer_class, assume_elementwise: bool):

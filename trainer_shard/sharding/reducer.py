@@ -16,6 +16,10 @@ launched strictly in bucket order: a bucket that becomes ready before an earlier
 it. At the end of backward (an autograd engine callback) the remaining buckets are launched in
 order too, with zeros for parameters that received no gradient (unused in this forward), then
 all are waited for.
+
+With `overlap=False` (config `overlap_comm: false`) no bucket is launched while backward runs:
+all are reduced at its end, which holds every bucket's gradients until then (as much memory as
+full gradients) but leaves backward's compute alone.
 """
 
 import torch
@@ -49,8 +53,9 @@ class _BucketState:
 
 
 class GradReducer:
-    def __init__(self, group=None, max_in_flight: int = 2):
+    def __init__(self, group=None, max_in_flight: int = 2, overlap: bool = True):
         self.group = group
+        self.overlap = overlap
         self.world_size = comm.rank_and_size(group)[1]
         self.max_in_flight = max(1, int(max_in_flight))
         self.flats = []
@@ -107,7 +112,8 @@ class GradReducer:
             self._count(state.buffer, +1)
         state.filled.add(slot.index)
         state.remaining -= 1
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def _launch_ready(self, flush: bool = False) -> None:
         """Launch buckets in order; with `flush`, also those still waiting for gradients."""

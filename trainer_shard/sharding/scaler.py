@@ -11,7 +11,7 @@ import torch
 
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0):  # fmt: skip
+                 growth_interval: int = 2000, min_scale: float = 1.0, static: bool = False):  # fmt: skip
         if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
             raise ValueError("loss scaler: need growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
         self.scale = float(init_scale)
@@ -20,11 +20,14 @@ class DynamicLossScaler:
         self.growth_interval = growth_interval
         self.min_scale = min_scale
         self.good_steps = 0
+        self.static = static  # a fixed scale: overflowing steps are still skipped, the scale stays
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
     def update(self, found_inf: bool) -> None:
+        if self.static:
+            return
         if found_inf:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0

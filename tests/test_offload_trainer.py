@@ -1,0 +1,79 @@
+"""--offload through finetune_trainer.py: the same weights as without offload, 1 and 2 processes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, assert_ok, run_script
+from test_sharded_trainer import DUMP, ddp_run, log, train_flags  # noqa: F401 (ddp_run is a fixture)
+
+pytestmark = [pytest.mark.slow]
+
+
+def offload_config(tmp_path, device, **zero):
+    section = {"device": device, **({"nvme_path": str(tmp_path / "store")} if device == "nvme" else {})}
+    data = {"zero_optimization": {"offload_optimizer": section, **zero}, "gradient_clipping": "auto"}
+    path = tmp_path / f"{device}.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_model, tiny_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plain") / "out"
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--use_cpu")))
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_one_process_offload_matches_plain_fp32(plain_run, tiny_model, tiny_data, tmp_path, device):
+    """6 steps, accumulation 2, clipping at 0.3, weight decay: within 1e-6 of the plain Trainer."""
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--use_cpu", "--offload", offload_config(tmp_path, device), "--log_level", "info")
+    proc = run_script(flags)
+    assert_ok(proc)
+    assert "offload=" + device in proc.stdout  # the ShardedOptimizer that ran says where its state was
+    reference, ours = load_file(plain_run / "model.safetensors"), load_file(out / "model.safetensors")
+    worst = max((ours[k] - reference[k]).abs().max().item() for k in reference)
+    assert worst <= 1e-6, worst
+    for (loss, norm), (ref_loss, ref_norm) in zip(log(out), log(plain_run), strict=True):
+        assert loss == pytest.approx(ref_loss, abs=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
+    assert not (tmp_path / "store").exists()  # the disk store is gone at the end of the run
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("option,device", [("zero_dp_2", "cpu"), ("simple", "nvme")])
+def test_two_ranks_offload_matches_ddp_fp32(ddp_run, tiny_model, tiny_data, tmp_path, option, device):
+    """The same 2-rank run as plain DDP (accumulation, clipping): weights within 1e-6."""
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option, "--offload", offload_config(tmp_path, device))
+    assert_ok(run_script(flags, nproc=2, script=DUMP))
+    rank0, rank1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "ranks diverged"
+    reference = torch.load(ddp_run / "rank0.pt")
+    worst = max((rank0[k] - reference[k]).abs().max().item() for k in reference)
+    assert worst <= 1e-6, worst
+    assert not (tmp_path / "store").exists()
+
+
+def test_config_scheduler_and_optimizer_take_effect(tiny_model, tiny_data, tmp_path):
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "optimizer": {"type": "SGD", "params": {"lr": "auto", "momentum": 0.5}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": "auto",
+                                                           "warmup_num_steps": 4, "warmup_type": "linear"}},
+    }))  # fmt: skip
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--use_cpu", "--offload", str(config), "--logging_steps", "1",
+                        "--learning_rate", "0.1", "--warmup_steps", "4", "--log_level", "info")  # fmt: skip
+    proc = run_script(flags)
+    assert_ok(proc)
+    assert "optim=SGD" in proc.stdout
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    lrs = [e["learning_rate"] for e in history if "learning_rate" in e]
+    # The lr each of the 6 steps ran at: DeepSpeed's WarmupDecayLR(total 6, warmup 4, linear) at
+    # iterations -1..4 (DeepSpeed sets iteration -1's at construction and steps after each step).
+    assert lrs == pytest.approx([0.0, 0.0, 0.025, 0.05, 0.075, 0.1], abs=1e-9), lrs

@@ -1,0 +1,365 @@
+"""The offload engine: this rank's fp32 master weights and optimizer state live in a store (CPU
+RAM or disk) and are stepped chunk by chunk.
+
+    engine = OffloadEngine(OffloadSpec("nvme", nvme_path="/scratch/offload"), torch.optim.AdamW, defaults)
+    engine.add(flat, hyper)            # a FlatGroup's shard: master read from its parameters
+    engine.step(hypers, factors=[])    # every shard: read chunk -> step -> write back -> parameters
+
+`ShardedOptimizer(..., offload=spec)` drives it; nothing else decides what moves where.
+
+One step of a flat group's shard, chunk by chunk:
+
+    store --read--> master, state chunk --+-- inner optimizer step (fp32, CPU) --> write back --> store
+    gradient shard (16-bit or fp32, on the compute device) --> fp32 chunk --'           |
+                                          parameters (their dtype, on the device) <-----'
+
+- The inner optimizer is the run's own class and hyperparameters; Adam and AdamW run torch's
+  fused CPU kernel (several times the unfused speed). Every elementwise optimizer is stepped
+  chunk by chunk with the same result as stepping the whole shard at once: its per-element
+  state ("exp_avg", "momentum_buffer"...) is found by stepping a probe tensor once, and its
+  scalar state ("step") is kept once per flat group and handed to every chunk.
+- Gradient factors (1/loss scale, the clipping coefficient) are applied to the fp32 chunk, in
+  order, so the 16-bit gradient shard is never rescaled in its own precision.
+- Disk store: a reader thread loads chunk i+1 and a writer thread writes chunk i-1 back while
+  chunk i is stepped; `buffer_count` sets of chunk buffers are all the RAM it costs.
+- CUDA: gradients come to pinned staging buffers and updated parameters go back on a side
+  stream, so host-device copies overlap the CPU step (see `_DeviceLink`).
+"""
+
+import bisect
+import logging
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .store import CpuStore, DiskStore, bytes_needed
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_NUMEL = 2**20  # 4 MB of fp32 per tensor: big enough to amortize Python, small for cache
+
+
+@dataclass(frozen=True)
+class OffloadSpec:
+    """Where the shard lives and how it streams (the `offload_optimizer` section of the config)."""
+
+    device: str  # "cpu" | "nvme"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "nvme"):
+            raise ValueError(f"offload device must be 'cpu' or 'nvme', got {self.device!r}")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload device 'nvme' needs nvme_path")
+        if self.buffer_count < 1 or self.chunk_numel < 1:
+            raise ValueError("buffer_count and chunk_numel must be at least 1")
+
+    @classmethod
+    def from_config(cls, config) -> "OffloadSpec | None":
+        if config.offload_device == "none":
+            return None
+        return cls(config.offload_device, config.nvme_path, config.pin_memory, config.buffer_count)
+
+
+_FUSED_ON_CPU = ("Adam", "AdamW")
+
+
+def per_element_state(optim_class, defaults: dict) -> list:
+    """The names of the state entries `optim_class` keeps one value per element of (probed)."""
+    probe = torch.zeros(2, requires_grad=True)
+    optim = optim_class([probe], **_cpu_defaults(optim_class, defaults))
+    probe.grad = torch.zeros(2)
+    optim.step()
+    return sorted(k for k, v in optim.state[probe].items() if k != "step" and torch.is_tensor(v) and v.shape == probe.shape)
+
+
+def _cpu_defaults(optim_class, hyper: dict) -> dict:
+    """`hyper` for CPU fp32 tensors: Adam and AdamW on torch's fused kernel."""
+    out = {k: v for k, v in hyper.items() if k != "params"}
+    if optim_class.__name__ in _FUSED_ON_CPU:
+        out.update(fused=True, foreach=None)
+    return out
+
+
+class OffloadEngine:
+    def __init__(self, spec: OffloadSpec, optim_class, defaults: dict, *, rank: int = 0):
+        self.spec = spec
+        self.rank = rank
+        self.optim_class = optim_class
+        self.defaults = dict(defaults)
+        self.state_names = per_element_state(optim_class, defaults)
+        self.names = ("master", *self.state_names)
+        self.flats = []
+        self.sizes = {}  # flat index -> shard numel
+        self.scalars = []  # per flat group: the optimizer's scalar state ("step"), None before step 1
+        self.store = None
+        self._param = torch.zeros(0)
+        self._optim = optim_class([self._param], **_cpu_defaults(optim_class, defaults))
+        self._links = {}
+        self._io = None
+
+    # ---- building ----------------------------------------------------------------------------
+
+    def bytes_per_element(self) -> int:
+        return 4 * len(self.names)
+
+    def add(self, flat, hyper: dict | None = None) -> None:
+        """Take on a FlatGroup's shard: its master weights are read from the parameters."""
+        index = len(self.sizes)
+        self.flats.append(flat)
+        self.sizes[index] = flat.layout.shard_numel
+        self.scalars.append(None)
+        self._open_store(index)
+        self.refresh_master(index, flat)
+
+    def _open_store(self, index: int) -> None:
+        sizes = {f"{index}.{name}": self.sizes[index] for name in self.names}
+        if self.store is None:
+            if self.spec.device == "nvme":
+                self.store = DiskStore(sizes, self.spec.nvme_path, rank=self.rank)
+                self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainer_shard-offload")
+                logger.info("offload: %s bytes of shard state on disk in %s", f"{bytes_needed(sizes):,}", self.store.folder)
+            else:
+                self.store = CpuStore(sizes, pin_memory=self.spec.pin_memory)
+            self._finalizer = weakref.finalize(self, _close, self.store, self._io)
+        else:
+            self.store.add(sizes)
+
+    def _key(self, index: int, name: str) -> str:
+        return f"{index}.{name}"
+
+    # ---- the step ----------------------------------------------------------------------------
+
+    def _ranges(self, index: int) -> list:
+        numel, chunk = self.sizes[index], self.spec.chunk_numel
+        return [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
+
+    def _link(self, flat) -> "_DeviceLink":
+        key = (flat.grad.device, flat.grad.dtype, flat.dtype)
+        if key not in self._links:
+            self._links[key] = _DeviceLink(*key, slots=self.spec.buffer_count, chunk_numel=self.spec.chunk_numel)
+        return self._links[key]
+
+    def step(self, hypers: list, factors=()) -> None:
+        """One step of every shard, with its group's hyperparameters and the gradient factors."""
+        for index, (flat, hyper) in enumerate(zip(self.flats, hypers)):
+            self._step_flat(index, flat, hyper, factors)
+
+    @torch.no_grad()
+    def _step_flat(self, index: int, flat, hyper: dict, factors) -> None:
+        """One step of flat group `index`'s shard; the updated weights go into `flat`'s parameters."""
+        group = self._optim.param_groups[0]
+        group.update(_cpu_defaults(self.optim_class, hyper))
+        ranges = self._ranges(index)
+        link = self._link(flat)
+        link.begin()
+        disk = isinstance(self.store, DiskStore)
+        slots = self.spec.buffer_count
+        prefetch = slots > 1  # one buffer set: read, step and write one chunk after the other
+        if disk:
+            self._ensure_chunk_buffers()
+            reads = {0: self._io.submit(self._read, index, *ranges[0], 0)}
+            writes = {}
+        link.fetch_grad(flat.grad, *ranges[0], 0)
+        new_scalars = None
+        for i, (start, end) in enumerate(ranges):
+            slot = i % slots
+            if disk:
+                if i not in reads:
+                    reads[i] = self._io.submit(self._read, index, start, end, slot)
+                chunk = reads.pop(i).result()
+                if prefetch and i + 1 < len(ranges):
+                    next_slot = (i + 1) % slots
+                    if next_slot in writes:  # that buffer set is still being written back
+                        writes.pop(next_slot).result()
+                    reads[i + 1] = self._io.submit(self._read, index, *ranges[i + 1], next_slot)
+            else:
+                chunk = {name: self.store.view(self._key(index, name), start, end) for name in self.names}
+            grad = link.take_grad(slot, end - start, factors)
+            if i + 1 < len(ranges):
+                link.fetch_grad(flat.grad, *ranges[i + 1], (i + 1) % slots)
+            new_scalars = self._step_chunk(index, chunk, grad)
+            link.put_params(flat, start, chunk["master"], slot)
+            if disk:
+                writes[slot] = self._io.submit(self._write, index, start, chunk)
+                if not prefetch:
+                    writes.pop(slot).result()
+        if disk:
+            for future in writes.values():
+                future.result()
+        link.end()
+        self.scalars[index] = new_scalars
+
+    def _step_chunk(self, index: int, chunk: dict, grad: torch.Tensor) -> dict:
+        param = self._param
+        param.data = chunk["master"]
+        param.grad = grad
+        state = self._optim.state[param]
+        state.clear()
+        if self.scalars[index] is not None:  # later steps: the stored state, in place
+            state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in self.scalars[index].items()})
+            state.update({name: chunk[name] for name in self.state_names})
+        self._optim.step()
+        if self.scalars[index] is None:  # step 1: the optimizer made its state; keep it
+            for name in self.state_names:
+                chunk[name].copy_(state[name])
+        scalars = {k: v for k, v in state.items() if k not in self.state_names}
+        param.grad = None
+        param.data = torch.zeros(0)
+        state.clear()
+        return scalars
+
+    def _ensure_chunk_buffers(self) -> None:
+        if getattr(self, "_buffers", None) is None:
+            n = self.spec.chunk_numel
+            self._buffers = [{name: torch.empty(n) for name in self.names} for _ in range(self.spec.buffer_count)]
+
+    def _read(self, index: int, start: int, end: int, slot: int) -> dict:
+        buffers = self._buffers[slot]
+        return {name: self.store.read(self._key(index, name), start, buffers[name][: end - start]) for name in self.names}
+
+    def _write(self, index: int, start: int, chunk: dict) -> None:
+        for name in self.names:
+            self.store.write(self._key(index, name), start, chunk[name])
+
+    # ---- state in and out ---------------------------------------------------------------------
+
+    def read_full(self, index: int, name: str) -> torch.Tensor:
+        """A whole shard-sized tensor of the store, in RAM (for checkpoints)."""
+        return self.store.read(self._key(index, name), 0, torch.empty(self.sizes[index]))
+
+    def write_full(self, index: int, name: str, value: torch.Tensor) -> None:
+        self.store.write(self._key(index, name), 0, value.detach().to("cpu", torch.float32).contiguous())
+
+    def shard_state(self, index: int) -> dict:
+        """The optimizer's state for this shard: per-element tensors (shard order) and scalars."""
+        if self.scalars[index] is None:
+            return {}
+        out = {name: self.read_full(index, name) for name in self.state_names}
+        out.update({k: v.clone() if torch.is_tensor(v) else v for k, v in self.scalars[index].items()})
+        return out
+
+    def load_shard_state(self, index: int, state: dict) -> None:
+        if not state:
+            self.scalars[index] = None
+            for name in self.state_names:
+                self.write_full(index, name, torch.zeros(self.sizes[index]))
+            return
+        missing = [name for name in self.state_names if name not in state]
+        if missing:
+            raise KeyError(f"optimizer state lacks {missing} for the offloaded shard")
+        for name in self.state_names:
+            self.write_full(index, name, state[name])
+        self.scalars[index] = {k: (v.detach().clone().cpu() if torch.is_tensor(v) else v)
+                               for k, v in state.items() if k not in self.state_names}  # fmt: skip
+
+    @torch.no_grad()
+    def refresh_master(self, index: int, flat) -> None:
+        """Master <- the parameters (their values as the model holds them), chunk by chunk."""
+        buffer = torch.empty(min(self.spec.chunk_numel, max(self.sizes[index], 1)))
+        for start, end in self._ranges(index):
+            chunk = buffer[: end - start]
+            flat.read_shard(start, chunk)
+            self.store.write(self._key(index, "master"), start, chunk)
+
+    def master(self, index: int):
+        """The fp32 master shard; None for fp32 parameters, which hold the same values."""
+        if self.flats[index].dtype == torch.float32:
+            return None
+        return self.read_full(index, "master")
+
+    def load_master(self, index: int, value: torch.Tensor) -> None:
+        self.write_full(index, "master", value)
+
+    def state_bytes(self) -> dict:
+        where = "disk" if isinstance(self.store, DiskStore) else "cpu"
+        return {"offload_device": where, "offload_bytes": bytes_needed(self.store.sizes) if self.store else 0}
+
+    def close(self) -> None:
+        """Free the store (a disk store deletes its files). Idempotent; also runs at exit."""
+        if self.store is not None:
+            self._finalizer()
+
+
+def _close(store, io) -> None:
+    if io is not None:
+        io.shutdown(wait=True)
+    store.close()
+
+
+class _DeviceLink:
+    """Moves gradient chunks to the CPU step and updated weights back to the parameters.
+
+    On the CPU: a gradient chunk is a view (fp32) or an upcast copy (16-bit), and weights are
+    cast straight into the parameters. On CUDA: gradient chunks come into pinned staging buffers
+    and weights go out of them on a side stream, `slots` of each, so the copies of chunk i+1 and
+    i-1 overlap the CPU step of chunk i; an event per slot guards a staging buffer until the
+    copy that reads it has finished.
+    """
+
+    def __init__(self, device, grad_dtype, param_dtype, *, slots: int, chunk_numel: int):
+        self.cuda = device.type == "cuda"
+        self.slots = slots
+        self.grad32 = [torch.empty(chunk_numel) for _ in range(slots)]
+        self.pending = [None] * slots  # CPU: the gradient chunk to upcast; CUDA: (event, numel)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.grad_stage = [torch.empty(chunk_numel, dtype=grad_dtype, pin_memory=True) for _ in range(slots)]
+            self.param_stage = [torch.empty(chunk_numel, dtype=param_dtype, pin_memory=True) for _ in range(slots)]
+            self.param_events = [None] * slots
+
+    def begin(self) -> None:
+        if self.cuda:  # gradients were produced on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+    def fetch_grad(self, grad: torch.Tensor, start: int, end: int, slot: int) -> None:
+        source = grad[start:end]
+        if not self.cuda:
+            self.pending[slot] = source
+            return
+        stage = self.grad_stage[slot][: end - start]
+        with torch.cuda.stream(self.stream):
+            stage.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.pending[slot] = (event, end - start)
+
+    def take_grad(self, slot: int, numel: int, factors) -> torch.Tensor:
+        """This slot's gradient chunk as fp32 on the CPU, multiplied by `factors` in order."""
+        if self.cuda:
+            event, numel = self.pending[slot]
+            event.synchronize()
+            source = self.grad_stage[slot][:numel]
+        else:
+            source = self.pending[slot]
+        self.pending[slot] = None
+        if source.dtype == torch.float32 and not self.cuda and not factors:
+            return source
+        out = self.grad32[slot][:numel]
+        out.copy_(source)
+        for factor in factors:
+            out.mul_(factor)
+        return out
+
+    def put_params(self, flat, start: int, master: torch.Tensor, slot: int) -> None:
+        if not self.cuda:
+            flat.write_shard(start, master)
+            return
+        if self.param_events[slot] is not None:
+            self.param_events[slot].synchronize()  # its previous upload has read the stage
+        stage = self.param_stage[slot][: master.numel()]
+        stage.copy_(master)
+        with torch.cuda.stream(self.stream):
+            flat.write_shard(start, stage, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.param_events[slot] = event
+
+    def end(self) -> None:
+        if self.cuda:  # the all-gather that follows reads the parameters on the compute stream
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
