@@ -35,8 +35,9 @@ $(DEMO_MODEL)/config.json: $(DEMO_DATA)/train.source
 demo-data: $(DEMO_DATA)/train.source
 demo-model: $(DEMO_MODEL)/config.json
 
+# 2 processes on gloo, ZeRO-2 with the optimizer state offloaded to CPU RAM (configs/offload_cpu.json)
 demo: install demo-model
-	$(PY) scripts/finetune_trainer.py configs/demo.json
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/finetune_trainer.py configs/demo.json
 
 test: install
 	$(PY) -m pytest

@@ -20,12 +20,14 @@ test_generations.txt to --output_dir.
 import logging
 import sys
 
+import torch
 import torch.distributed as dist
 import transformers
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
 from trainer_shard import ShardedSeq2SeqTrainer
 from trainer_shard.errors import TrainerShardError
+from trainer_shard.loading import load_pretrained_lean
 from trainer_shard.finetune import (
     count_parameters,
     freeze_params,
@@ -58,7 +60,7 @@ def main(argv=None, **trainer_kwargs):
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
     )
-    model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir)
+    model = load_model(model_args, config, load_dtype(training_args))
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
@@ -104,6 +106,26 @@ def main(argv=None, **trainer_kwargs):
     if trainer.is_world_process_zero():
         print_summary(results, training_args.output_dir)
     return trainer, results
+
+
+def load_model(model_args, config, dtype):
+    """16-bit parameters for a sharded run load a tensor at a time when the checkpoint allows
+    (trainer_shard.loading): no moment with the whole checkpoint mapped next to them."""
+    if dtype in (torch.bfloat16, torch.float16):
+        model = load_pretrained_lean(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
+        if model is not None:
+            return model
+    return AutoModelForSeq2SeqLM.from_pretrained(
+        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, dtype=dtype
+    )
+
+
+def load_dtype(training_args):
+    """Sharded or offloaded mixed precision keeps 16-bit parameters (fp32 masters live in the
+    optimizer's shards): load them in 16 bits, never holding an fp32 copy of a big model."""
+    if training_args.sharding_enabled and (training_args.bf16 or training_args.fp16):
+        return torch.bfloat16 if training_args.bf16 else torch.float16
+    return "auto"
 
 
 def setup_logging(training_args) -> None:

@@ -77,3 +77,55 @@ def test_config_scheduler_and_optimizer_take_effect(tiny_model, tiny_data, tmp_p
     # The lr each of the 6 steps ran at: DeepSpeed's WarmupDecayLR(total 6, warmup 4, linear) at
     # iterations -1..4 (DeepSpeed sets iteration -1's at construction and steps after each step).
     assert lrs == pytest.approx([0.0, 0.0, 0.025, 0.05, 0.075, 0.1], abs=1e-9), lrs
+
+
+def test_a_full_disk_stops_the_run_before_it_touches_a_checkpoint(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """Resuming with a disk store that does not fit: exit 2 naming the path and the bytes; the
+    output folder, its checkpoint included, is byte for byte as it was."""
+    import runpy
+    import shutil
+    from collections import namedtuple
+
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--use_cpu", "--save_strategy", "steps", "--save_steps", "2",
+                        "--max_steps", "2")  # fmt: skip
+    assert_ok(run_script(flags))
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert any("checkpoint-2" in str(p) for p in before)
+
+    store = tmp_path / "store"
+    real = shutil.disk_usage
+    usage = namedtuple("usage", "total used free")
+
+    def disk_usage(path):  # the store's disk has 1 MB free; every other path is as it is
+        return usage(10**9, 10**9 - 10**6, 10**6) if str(path).startswith(str(tmp_path / "st")) else real(path)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    script = runpy.run_path(str(ROOT / "scripts" / "finetune_trainer.py"))
+    resume = [*flags, "--max_steps", "4", "--resume_from_checkpoint", "latest", "--offload", offload_config(tmp_path, "nvme")]
+    assert script["run"]([str(a) for a in resume]) == 2
+    assert not store.exists()
+    after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_sharded_ddp_offload_option_is_cpu_offload(plain_run, tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--use_cpu", "--sharded_ddp", "zero_dp_2 offload", "--log_level", "info")
+    proc = run_script(flags)
+    assert_ok(proc)
+    assert "offload=cpu" in proc.stdout
+    reference, ours = load_file(plain_run / "model.safetensors"), load_file(out / "model.safetensors")
+    assert max((ours[k] - reference[k]).abs().max().item() for k in reference) <= 1e-6
+
+
+@pytest.mark.multiproc
+def test_offloaded_checkpoint_resumes_exactly(tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_2", "--offload", offload_config(tmp_path, "nvme"),
+                        "--save_strategy", "steps", "--save_steps", "3")  # fmt: skip
+    assert_ok(run_script(flags, nproc=2))
+    straight = load_file(out / "model.safetensors")
+    assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -151,6 +151,15 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
             problems.append(f"--offload {path}: zero_optimization.reduce_bucket_size is {zero['reduce_bucket_size']:,} "
                             f"elements ({cap_mb} MB) but --ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one")  # fmt: skip
         args.ddp_bucket_cap_mb = cap_mb
+    accum = config.grad_accum_dtype
+    precision = config.precision if config.precision in ("bf16", "fp16") else "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if accum not in (None, "fp32") and accum != precision:
+        problems.append(f"--offload {path}: data_types.grad_accum_dtype is {accum} but the run trains in {precision}; "
+                        f"use fp32 or {precision}")  # fmt: skip
+    elif accum not in (None, "fp32") and spec is None:
+        problems.append(f"--offload {path}: data_types.grad_accum_dtype {accum} needs offload (the optimizer steps "
+                        "fp32 master shards on the device from an fp32 gradient shard); use fp32 or set "
+                        "offload_optimizer.device")  # fmt: skip
     fp16_settings = [k for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
                      if k in config.raw.get("fp16", {})]  # fmt: skip
     if stage is None and fp16_settings and (args.fp16 or config.precision == "fp16"):

@@ -182,12 +182,19 @@ def build_demo_model(
     d_kv: int = 32,
     dropout_rate: float = 0.0,
     seed: int = 0,
+    model_vocab_size: int | None = None,
+    dtype: str = "float32",
 ) -> Path:
     """Train the tokenizer, build a fresh small T5 and save both to ``out_dir``.
 
     ``vocab_size`` is the BPE target size; the model's vocabulary is
-    ``len(tokenizer)`` (the number-word corpus may saturate below the target).
+    ``len(tokenizer)`` (the number-word corpus may saturate below the target),
+    or ``model_vocab_size`` when larger (to match a published architecture's
+    embedding size). ``dtype`` is the weights' dtype, at build and on disk.
     The result loads offline with ``AutoTokenizer``/``AutoModelForSeq2SeqLM``.
+    Example, the t5-3b architecture (2.85 B parameters, 5.7 GB in bf16):
+    ``d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128,
+    model_vocab_size=32128, dtype="bfloat16"``.
     """
     import torch
     from transformers import T5ForConditionalGeneration
@@ -195,7 +202,7 @@ def build_demo_model(
     tokenizer = build_demo_tokenizer(data_dir, vocab_size=vocab_size)
     _check_tokenizer(tokenizer)
     config = _t5_config(
-        len(tokenizer),
+        max(len(tokenizer), model_vocab_size or 0),
         d_model=d_model,
         d_ff=d_ff,
         d_kv=d_kv,
@@ -205,7 +212,12 @@ def build_demo_model(
         dropout_rate=dropout_rate,
     )
     torch.manual_seed(seed)
-    model = T5ForConditionalGeneration(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))  # initialize in the target dtype: no fp32 copy
+    try:
+        model = T5ForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(previous)
     model.generation_config.max_length = GENERATION_MAX_LENGTH
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -250,6 +262,10 @@ def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out_dir", required=True, help="directory to save the model to")
     for name in ("vocab_size", "d_model", "d_ff", "num_layers", "num_heads", "d_kv", "seed"):
         parser.add_argument(f"--{name}", type=int, default=d[name], help=f"default {d[name]}")
+    parser.add_argument("--model_vocab_size", type=int, default=None,
+                        help="embedding rows, if more than the tokenizer's (t5-3b: 32128)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=d["dtype"],
+                        help="weights' dtype at build and on disk")  # fmt: skip
     parser.add_argument(
         "--num_decoder_layers", type=int, default=None, help="default: same as --num_layers"
     )
@@ -264,8 +280,11 @@ def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
 
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
+    import torch
+
     config = AutoConfig.from_pretrained(out)
-    n_params, _ = count_parameters(AutoModelForSeq2SeqLM.from_config(config))
+    with torch.device("meta"):  # count without allocating
+        n_params, _ = count_parameters(AutoModelForSeq2SeqLM.from_config(config))
     print(
         f"saved demo model to {out} (data {data_dir}): vocab={config.vocab_size} "
         f"d_model={config.d_model} layers={config.num_layers}/{config.num_decoder_layers} "

@@ -29,15 +29,18 @@ On one process, offload runs the ZeRO-2 path on a world of one.
 import functools
 import inspect
 import logging
+import os
 
 import torch.distributed as dist
 from accelerate.utils import DistributedType
-from transformers import Seq2SeqTrainer, Trainer
+from transformers import PreTrainedModel, Seq2SeqTrainer, Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.training_args import ParallelMode
 
 import torch
 
 from .args import ShardedDDPOption, stage_from_options, world_size_from_env
+from .checkpoint import save_model
 from .config import apply as config_apply
 from .errors import ArgumentError, DistributedSetupError
 from .offload import OffloadSpec
@@ -164,9 +167,11 @@ class ShardedTrainerMixin:
         plain = super().create_optimizer(model)
         scaler = config_apply.loss_scaler(self.offload_config) if self.args.fp16 else None
         overlap = self.offload_config.overlap_comm if self.offload_config is not None else True
+        accum = self.offload_config.grad_accum_dtype if self.offload_config is not None else None
+        grad_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(accum)
         self.optimizer = ShardedOptimizer.wrap(
             plain, stage=stage, loss_scaler=scaler, offload=self.offload_spec, bucket_numel=self._bucket_numel(),
-            overlap_comm=overlap,
+            overlap_comm=overlap, grad_dtype=grad_dtype,
         )  # fmt: skip
         self._adopt_sharded_optimizer(self.optimizer)
         return self.optimizer
@@ -227,6 +232,21 @@ class ShardedTrainerMixin:
             super()._save_optimizer_and_scheduler(output_dir)
         finally:
             self.sharded_optimizer.release_consolidated()
+
+    def _save(self, output_dir=None, state_dict=None) -> None:
+        """Sharded runs: write the weights from the flat buffer's views, without the full copy
+        `save_pretrained` makes of parameters that share storage (see checkpoint.py)."""
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if self.sharding_stage is None or state_dict is not None or not isinstance(model, PreTrainedModel):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return
+        logger.info("Saving model checkpoint to %s", output_dir)
+        save_model(model, output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def evaluation_loop(self, *args, **kwargs):
         # Seq2SeqTrainer.evaluate/predict (transformers 5.x) switch the gather to

@@ -37,6 +37,7 @@ class OffloadConfig:
     initial_scale_power: int
     loss_scale_window: int
     min_loss_scale: float
+    grad_accum_dtype: str | None  # fp32 | bf16 | fp16 | None (the default for the run)
     micro_batch_size: int | None
     gradient_accumulation_steps: int | None
     train_batch_size: int | None
@@ -330,6 +331,7 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         gradient_clipping=concrete(tree["gradient_clipping"]), precision=precision,
         loss_scale=fp16["loss_scale"], initial_scale_power=fp16["initial_scale_power"],
         loss_scale_window=fp16["loss_scale_window"], min_loss_scale=fp16["min_loss_scale"],
+        grad_accum_dtype=tree["data_types"]["grad_accum_dtype"],
         micro_batch_size=concrete(tree["train_micro_batch_size_per_gpu"]),
         gradient_accumulation_steps=concrete(tree["gradient_accumulation_steps"]),
         train_batch_size=concrete(tree["train_batch_size"]), raw=raw,

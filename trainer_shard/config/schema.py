@@ -82,6 +82,13 @@ FP16 = {
 
 BF16 = {"enabled": Key("bool", "bf16 mixed precision", False, auto=True)}
 
+DATA_TYPES = {
+    "grad_accum_dtype": Key("choice", "dtype of the gradient shard the optimizer steps from: fp32 (DeepSpeed's "
+                            "layout; the upcast happens as gradients are reduced) or the 16-bit training dtype (half "
+                            "the memory; offload only, upcast a chunk at a time in the step). Default: fp32, or the "
+                            "training dtype with offload", None, choices=("fp32", "bf16", "fp16")),
+}
+
 TOP = {
     "zero_optimization": Key("object", "sharding and offload", children=ZERO_OPTIMIZATION),
     "optimizer": Key("object", "the optimizer (omit to keep the Trainer's --optim)", children=OPTIMIZER),
@@ -89,6 +96,7 @@ TOP = {
     "gradient_clipping": Key("float", "clip the global gradient norm to this (0: off)", auto=True, minimum=0.0),
     "fp16": Key("object", "fp16 mixed precision", children=FP16),
     "bf16": Key("object", "bf16 mixed precision", children=BF16),
+    "data_types": Key("object", "dtypes of the sharded optimizer's buffers", children=DATA_TYPES),
     "train_micro_batch_size_per_gpu": Key("int", "= --per_device_train_batch_size", auto=True, minimum=1),
     "gradient_accumulation_steps": Key("int", "= --gradient_accumulation_steps", auto=True, minimum=1),
     "train_batch_size": Key("int", "= micro batch x accumulation x world size", auto=True, minimum=1),

@@ -28,11 +28,15 @@ import bisect
 import torch
 
 from .. import comm
+from ..memory import release_freed_memory
 from .partition import FlatLayout
+
+_TRIM_EVERY = 2**25  # elements moved into the flat buffer between two trims of the C heap
 
 
 class FlatGroup:
-    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, *, offloaded: bool = False):
+    def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, *, offloaded: bool = False,
+                 grad_dtype=None):  # fmt: skip
         self.params = params
         self.layout = layout
         self.rank = rank
@@ -41,13 +45,28 @@ class FlatGroup:
         self.segments = layout.segments(rank)
         self._shard_starts = [b.shard_offset for b in layout.buckets]
         first = params[0]
-        self.buffer = torch.zeros(layout.total_numel, dtype=first.dtype, device=first.device)
+        # Filled parameter by parameter, each original freed as soon as it is copied: the buffer's
+        # pages are touched as the originals go, so building it does not hold the model twice.
+        self.buffer = torch.empty(layout.total_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
+            for bucket in layout.buckets:  # the padding, which no parameter covers
+                self.buffer[bucket.offset + bucket.numel : bucket.offset + bucket.padded_numel].zero_()
+            moved = 0
             for p, slot in zip(params, layout.slots):
                 self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self._view(slot)
-        grad_dtype = first.dtype if offloaded else torch.float32
+                moved += slot.numel
+                if moved >= _TRIM_EVERY:  # the originals freed so far go back to the OS
+                    release_freed_memory()
+                    moved = 0
+            release_freed_memory()
+        if grad_dtype is None:
+            grad_dtype = first.dtype if offloaded else torch.float32
         self.grad = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=first.device)
+        # [Note: stale gradients] Buckets whose gradient slice still holds the last step's values,
+        # which count as zero: the next reduction overwrites them instead of adding, so clearing
+        # the gradients after a step costs no pass over the shard.
+        self.stale = set()
         if offloaded:
             self.master = None
             self.master_views = []
@@ -136,6 +155,30 @@ class FlatGroup:
         """The master now matches the parameters as they are."""
         self._seen_versions = self._versions()
 
+    def mark_grads_stale(self) -> None:
+        """The gradients are cleared: see [Note: stale gradients]."""
+        self.stale = {bucket.index for bucket in self.layout.buckets}
+
+    @torch.no_grad()
+    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float) -> None:
+        """The bucket's gradient slice += alpha * values (= alpha * values when it is stale)."""
+        target = self.shard_of(self.grad, bucket)
+        if bucket.index in self.stale:
+            target.copy_(values)
+            if alpha != 1.0:
+                target.mul_(alpha)
+            self.stale.discard(bucket.index)
+        else:
+            target.add_(values, alpha=alpha)
+
+    @torch.no_grad()
+    def zero_stale(self) -> None:
+        """Zero what no reduction has written since the gradients were cleared."""
+        for bucket in self.layout.buckets:
+            if bucket.index in self.stale:
+                self.shard_of(self.grad, bucket).zero_()
+        self.stale = set()
+
     @torch.no_grad()
     def copy_grads_to_shard(self) -> None:
         """ZeRO-1: this rank's slices of the (already all-reduced) full `.grad` tensors -> fp32 shard."""
@@ -146,6 +189,7 @@ class FlatGroup:
                 target.zero_()
             else:
                 target.copy_(grad.reshape(-1)[seg.param_start : seg.param_start + seg.numel])
+        self.stale = set()  # every element written (the padding is never written, so stays zero)
 
     @torch.no_grad()
     def gather_params(self) -> None:

@@ -32,6 +32,7 @@ from torch.autograd.profiler import record_function
 
 from .. import comm
 from ..errors import ShardingError
+from ..memory import release_freed_memory
 from .flat import FlatGroup
 from .partition import plan_layout
 from .reducer import GradReducer
@@ -64,13 +65,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss_scaler: a `DynamicLossScaler` for fp16 (or True for the default one).
         offload: an `OffloadSpec`: master weights and optimizer state in CPU RAM or on disk.
         overlap_comm: ZeRO-2: reduce buckets while backward runs (False: all at its end).
+        grad_dtype: the gradient shard's dtype: fp32 (default without offload), or, with offload,
+            the parameters' 16-bit dtype (the default there: half the memory).
         assume_elementwise: shard an optimizer not in `ELEMENTWISE` anyway, on your word.
         **defaults: the inner optimizer's arguments (lr, betas, weight_decay, fused...).
     """
 
     def __init__(self, params, optim=None, group=None, *, optimizer_class=None, stage: int = 1,
                  bucket_numel: int = DEFAULT_BUCKET_NUMEL, loss_scaler=None, offload=None,
-                 assume_elementwise: bool = False, overlap_comm: bool = True, **defaults):  # fmt: skip
+                 assume_elementwise: bool = False, overlap_comm: bool = True, grad_dtype=None, **defaults):  # fmt: skip
         self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
         if stage not in (1, 2):
             raise ShardingError(f"stage must be 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
@@ -86,6 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)  # calls add_param_group for each group
         self._building = False
         self.offload = offload
+        self.grad_dtype = grad_dtype
         if offload is None:
             self.inner = _OnDevice(self.optim_class, self.defaults)
         else:
@@ -96,7 +100,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._build_flats(index)
         if not self.flats:
             raise ShardingError("no trainable parameter: every parameter has requires_grad=False")
+        release_freed_memory()  # the parameters' old storage, freed into the heap by the move above
         self._grad_factors = []  # offload: 1/loss scale and clip coefficients, applied in the step
+        self._fresh = True  # no step taken: the state is empty and the masters equal the parameters
         self._grads_ready = False
         self.found_inf = False
         self.step_was_skipped = False
@@ -128,7 +134,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             by_kind[(p.dtype, p.device)].append(p)
         for kind_params in by_kind.values():
             layout = plan_layout([p.numel() for p in kind_params], self.world_size, self.bucket_numel)
-            flat = FlatGroup(kind_params, layout, self.rank, self.group, offloaded=self.offload is not None)
+            grad_dtype = self.grad_dtype
+            if grad_dtype is not None and grad_dtype not in (torch.float32, kind_params[0].dtype):
+                raise ShardingError(f"grad_dtype must be float32 or the parameters' dtype {kind_params[0].dtype}, "
+                                    f"got {grad_dtype}")  # fmt: skip
+            if grad_dtype not in (None, torch.float32) and self.offload is None:
+                raise ShardingError("a 16-bit gradient shard needs offload: the inner optimizer steps fp32 masters "
+                                    "from fp32 gradients")  # fmt: skip
+            flat = FlatGroup(kind_params, layout, self.rank, self.group, offloaded=self.offload is not None,
+                             grad_dtype=grad_dtype)  # fmt: skip
             comm.broadcast(flat.buffer, 0, self.group)  # every rank starts from rank 0's weights
             flat.refresh_master()
             self.flats.append(flat)
@@ -160,14 +174,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         if self.reducer is not None and self.reducer.pending:
             self.reducer.finish()
-        if self.stage == 1:
-            for flat in self.flats:
+        for flat in self.flats:
+            if self.stage == 1:
                 flat.copy_grads_to_shard()
+            else:
+                flat.zero_stale()  # buckets no backward has reduced into since the last step
         self.found_inf = False
         if self.loss_scaler is not None:
             bad = torch.zeros(1, device=self._device())
             for flat in self.flats:
-                bad += (~torch.isfinite(flat.grad)).any()
+                bad += not _all_finite(flat.grad)
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
@@ -254,6 +270,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 return loss
             hypers = [self._hyperparameters(i) for i in range(len(self.flats))]
             self.inner.step(hypers, list(self._grad_factors))
+            self._fresh = False
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
         with record_function("trainer_shard::all_gather"):
@@ -273,7 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _clear_grads(self) -> None:
         for flat in self.flats:
-            flat.grad.zero_()
+            flat.mark_grads_stale()
         self._grad_factors = []
         self._grads_ready = False
         self.found_inf = False
@@ -346,6 +363,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._consolidated is not None:
             return self._consolidated
+        if self._fresh:
+            # Before the first step there is nothing to save that the parameters do not hold; and
+            # accelerate's prepare() round-trips the state (state_dict, load_state_dict), which
+            # must not materialize shard-sized masters (for an offloaded 3 B model, 11 GB).
+            masters = [None] * len(self.flats)
+            return {"shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage}, "fresh": True,
+                    "inner": [{} for _ in self.flats], "masters": masters,
+                    "param_groups": self._groups_for_state_dict(self._param_ids()),
+                    **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {})}  # fmt: skip
         masters = [self.inner.master(i) for i in range(len(self.flats))]
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
@@ -363,6 +389,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"this optimizer state is rank {shard['rank']}'s shard of {shard['world_size']}, but this is rank "
                 f"{self.rank} of {self.world_size}; load the consolidated state (consolidate_state_dict) instead"
             )
+        if "loss_scaler" in state_dict and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        if state_dict.get("fresh") and self._fresh:
+            return  # a state saved before any step, into an optimizer before any step: nothing to load
+        self._fresh = bool(state_dict.get("fresh"))
         for index, (state, master) in enumerate(zip(state_dict["inner"], state_dict["masters"])):
             self.inner.load_shard_state(index, state)
             if master is not None:
@@ -370,8 +401,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             else:
                 self.inner.refresh_master(index, self.flats[index])
             self.flats[index].mark_seen()
-        if "loss_scaler" in state_dict and self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -393,6 +422,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ids = self._param_ids()
         saved_state = state_dict.get("state", {})
         masters = state_dict.get("master_params")
+        self._fresh = not saved_state and masters is None
         for index, flat in enumerate(self.flats):
             pids = [ids[p] for p in flat.params]
             per_param = [saved_state.get(pid, saved_state.get(str(pid), {})) for pid in pids]
@@ -514,17 +544,26 @@ def _check_same_everywhere(index: int, params: list, group) -> None:
             )
 
 
-def _power_sum(t: torch.Tensor, p: float, row: int = 4096) -> torch.Tensor:
+def _all_finite(t: torch.Tensor, chunk: int = 2**22) -> bool:
+    """No inf/NaN in `t`, checked a chunk at a time (no shard-sized temporary)."""
+    return all(bool(torch.isfinite(t[s : s + chunk]).all()) for s in range(0, t.numel(), chunk))
+
+
+def _power_sum(t: torch.Tensor, p: float, row: int = 4096, rows_per_pass: int = 1024) -> torch.Tensor:
     """sum(|t|^p) in float64, from fp32 norms of short rows.
 
     One fp32 norm over a shard of tens of millions of elements is off by about 0.2% on CPU
     (measured: 30 M elements, -1.9e-3), which moved the clipping and the logged grad norm away
     from DDP's per-parameter norms; rows of 4096 bring it to about 1e-7, at the speed of one norm.
+    A 16-bit shard is upcast a pass of `rows_per_pass` rows at a time, never whole.
     """
     n = t.numel() // row * row
-    rows = torch.linalg.vector_norm(t[:n].view(-1, row), ord=p, dim=1).double()
-    tail = t[n:].double().abs().pow(p).sum()
-    return rows.pow(p).sum() + tail
+    matrix = t[:n].view(-1, row)
+    total = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, matrix.shape[0], rows_per_pass):
+        rows = torch.linalg.vector_norm(matrix[start : start + rows_per_pass], ord=p, dim=1, dtype=torch.float32)
+        total += rows.double().pow(p).sum()
+    return total + t[n:].double().abs().pow(p).sum()
 
 
 def _shard_state(state: dict, flat: FlatGroup) -> dict:
@@ -568,7 +607,7 @@ def _unshard(stacked: torch.Tensor, flat: FlatGroup, world: int) -> list:
 
 def _shard_of(full_tensors: list, flat: FlatGroup) -> torch.Tensor:
     """Per-parameter full tensors -> this rank's fp32 shard of them."""
-    shard = torch.zeros_like(flat.grad)
+    shard = torch.zeros(flat.layout.shard_numel, dtype=torch.float32, device=flat.grad.device)
     for seg in flat.segments:
         source = full_tensors[seg.index].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
         shard[seg.shard_start : seg.shard_start + seg.numel] = source.to(shard.device, shard.dtype)

@@ -136,7 +136,7 @@ class GradReducer:
         state, out, work = self.in_flight.pop(0)
         with record_function("trainer_shard::reduce_scatter_wait"):
             work.wait()
-        state.flat.shard_of(state.flat.grad, state.bucket).add_(out, alpha=1.0 / self.world_size)
+        state.flat.add_to_grad(state.bucket, out, alpha=1.0 / self.world_size)
         self._count(state.buffer, -1)
         state.buffer = None
 

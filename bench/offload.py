@@ -1,0 +1,200 @@
+#!/usr/bin/env python
+"""Offload side by side, one process: plain fp32 AdamW, bf16, trainer_shard CPU and disk offload,
+and DeepSpeed ZeRO-2 with CPU offload, on the same model, data and batch; plus one optimizer
+step of the same shard size by trainer_shard's offload engine and by DeepSpeed's CPU Adam.
+
+    python bench/offload.py                       # everything, writes bench/results/offload.{md,json}
+    python bench/offload.py --rows fp32 disk --steps 6
+
+Not a test: it takes about 15 minutes. It runs in bench/.venv (see bench/sharding.py). The
+model is the t5-large architecture (738 M parameters: d_model 1024, d_ff 4096, 24+24 layers,
+16 heads, vocabulary 32128; random init, saved in fp32 as a fine-tuning run starts from) on
+the demo English-Romanian data. Run nothing else meanwhile: the DeepSpeed row peaks near 20 GB. Each row is its own process, so its peak RSS
+(ru_maxrss) is its own: model load, training steps and the store, everything but the page cache.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run  # noqa: E402
+
+MODEL = WORK / "t5-large-arch"
+STORE = WORK / "offload_store"
+
+ROWS = {
+    "fp32": ("plain Trainer, fp32, fused AdamW", []),
+    "bf16": ("plain Trainer, --bf16 (autocast, fp32 weights)", ["--bf16"]),
+    "bf16_zero": ("trainer_shard --bf16, ZeRO-2 path, no offload", ["--bf16", "--sharded_ddp", "zero_dp_2"]),
+    "cpu": ("trainer_shard --bf16 --offload (CPU RAM)", ["--bf16", "--offload", WORK / "offload_cpu.json"]),
+    "cpu_fp32_grads": ("trainer_shard --bf16 --offload (CPU RAM, fp32 gradient shard)",
+                       ["--bf16", "--offload", WORK / "offload_cpu_fp32_grads.json"]),
+    "disk": ("trainer_shard --bf16 --offload (disk)", ["--bf16", "--offload", WORK / "offload_disk.json"]),
+    "deepspeed": ("DeepSpeed 0.19 ZeRO-2, CPU offload, --bf16", ["--bf16", "--deepspeed", WORK / "ds_offload.json"]),
+}
+
+CONFIGS = {
+    "offload_cpu.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                         "bf16": {"enabled": "auto"}, "gradient_clipping": "auto"},
+    "offload_cpu_fp32_grads.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                    "data_types": {"grad_accum_dtype": "fp32"},
+                                    "bf16": {"enabled": "auto"}, "gradient_clipping": "auto"},
+    "offload_disk.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme",
+                                                "nvme_path": str(STORE), "buffer_count": 4}},
+                          "bf16": {"enabled": "auto"}, "gradient_clipping": "auto"},
+    "ds_offload.json": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                                              "overlap_comm": False, "contiguous_gradients": True},
+                        "bf16": {"enabled": "auto"}, "zero_allow_untested_optimizer": True,
+                        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                        "gradient_clipping": "auto"},
+}  # fmt: skip
+
+
+def ensure_model() -> None:
+    if not (MODEL / "config.json").exists():
+        run([PY, ROOT / "scripts" / "build_demo_model.py", "--data_dir", DATA, "--out_dir", MODEL, "--d_model", "1024",
+             "--d_ff", "4096", "--num_layers", "24", "--num_heads", "16", "--d_kv", "64", "--model_vocab_size", "32128"])  # fmt: skip
+    WORK.mkdir(parents=True, exist_ok=True)
+    for name, config in CONFIGS.items():
+        (WORK / name).write_text(json.dumps(config, indent=1))
+
+
+def flags(row: str, steps: int, batch: int) -> list:
+    return [
+        "--model_name_or_path", MODEL, "--data_dir", DATA, "--task", "translation_en_to_ro",
+        "--output_dir", WORK / "out" / row, "--do_train", "--use_cpu", "--overwrite_output_dir",
+        "--max_steps", steps, "--per_device_train_batch_size", batch, "--learning_rate", "1e-4",
+        "--weight_decay", "0.01", "--optim", "adamw_torch_fused", "--max_grad_norm", "1.0",
+        "--max_source_length", "32", "--max_target_length", "32", "--n_train", "256", "--logging_steps", "1",
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "42",
+        *ROWS[row][1],
+    ]  # fmt: skip
+
+
+def worker(args: list, out: Path, timeout: int, env_extra: dict | None = None) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
+    log = RESULTS / "raw" / f"offload_{out.stem}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)
+    started = time.time()
+    try:
+        with log.open("w") as f:
+            proc = subprocess.run([str(PY), str(ROOT / "bench" / "_offload_worker.py"), *map(str, args)], env=env,
+                                  stdout=f, stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"did not finish in {timeout} s"}
+    if proc.returncode != 0 or not out.exists():
+        tail = [line for line in log.read_text(errors="replace").splitlines() if "Error" in line or "error" in line]
+        return {"skipped": f"exit {proc.returncode}: {(tail or ['see ' + str(log)])[-1][:300]}"}
+    return dict(json.loads(out.read_text()), wall_s=time.time() - started)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gb(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f}"
+
+
+def table(results: dict, adam: dict, args) -> str:
+    base = results.get("fp32")
+    base = base if base and "skipped" not in base else None
+    ran = [r for r in results.values() if "skipped" not in r]
+    params = ran[0]["parameters"] if ran else 0
+    lines = [
+        f"One process, {os.cpu_count()} CPU cores, T5 of {params / 1e6:.0f} M parameters (random init), batch "
+        f"{args.batch}, source/target length 32, {args.steps} steps; step time: median of steps 3-{args.steps}. "
+        "Peak RSS: the row's process (ru_maxrss), from start to end, model load included.",
+        "",
+        "| run | step time (s) | vs fp32 | peak RSS (GB) | vs fp32 | offloaded state | final loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row, r in results.items():
+        name = ROWS[row][0]
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} |  |  |  |  |  |")
+            continue
+
+        def ratio(key):
+            return f"{r[key] / base[key]:.2f}x" if base else "-"
+
+        offload = r.get("offload") or {}
+        where = f"{gb(offload['offload_bytes'])} GB in {offload['offload_device']}" if "offload_bytes" in offload else "-"
+        loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
+        lines.append(f"| {name} | {r['median_step_s']:.2f} | {ratio('median_step_s')} | {gb(r['peak_rss_bytes'])} "
+                     f"| {ratio('peak_rss_bytes')} | {where} | {loss} |")  # fmt: skip
+    if adam:
+        numel = next((r["numel"] for r in adam.values() if "numel" in r), 0)
+        lines += ["", f"One AdamW step of a {numel / 1e6:.0f} M-element shard, fp32 master and moments in CPU RAM, "
+                  "bf16 parameters updated (median of 7 after a warm-up step; gradients in place before the timer):",
+                  "", "| optimizer step | gradient in | step (s) | vs DeepSpeed CPU Adam + copy | vs DeepSpeed CPU Adam alone |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        ds = adam.get("deepspeed")
+        ds_ok = ds is not None and "skipped" not in ds
+        names = {"ours_bf16": ("trainer_shard offload engine (default)", "bf16 shard, upcast per chunk"),
+                 "ours_fp32": ("trainer_shard offload engine, grad_accum_dtype fp32", "fp32 shard"),
+                 "deepspeed": ("DeepSpeedCPUAdam, then copy fp32 -> bf16 params", "fp32 partition")}  # fmt: skip
+        for row, r in adam.items():
+            name, grad = names[row]
+            if "skipped" in r:
+                lines.append(f"| {name} | {grad} | skipped: {r['skipped']} |  |  |")
+                continue
+            alone = ds["median_step_s"] - ds["median_copy_s"] if ds_ok else None
+            vs = f"{r['median_step_s'] / ds['median_step_s']:.2f}x" if ds_ok else "-"
+            vs_alone = f"{r['median_step_s'] / alone:.2f}x" if ds_ok else "-"
+            lines.append(f"| {name} | {grad} | {r['median_step_s']:.3f} | {vs} | {vs_alone} |")
+        if ds_ok:
+            lines.append(f"| (DeepSpeedCPUAdam alone) | fp32 partition | {ds['median_step_s'] - ds['median_copy_s']:.3f} "
+                         "|  | 1.00x |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--no_adam", action="store_true", help="skip the optimizer-step comparison")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per row")
+    args = parser.parse_args()
+    ensure_env()
+    if Path(sys.prefix).resolve() != VENV.resolve():
+        os.execv(str(PY), [str(PY), __file__, *sys.argv[1:]])  # the rest runs in the bench environment
+    ensure_model()
+    raw = RESULTS / "raw"
+    results = {}
+    for row in args.rows:
+        # DeepSpeed outside its launcher looks for MPI unless told it is rank 0 of 1
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())} if row == "deepspeed" else None  # fmt: skip
+        results[row] = worker(["train", row, raw / f"{row}.json", "--", *flags(row, args.steps, args.batch)],
+                              raw / f"{row}.json", args.timeout, env)  # fmt: skip
+        print(row, json.dumps({k: v for k, v in results[row].items() if k != "step_times"}), flush=True)
+    if "disk" in results and "skipped" not in results["disk"]:
+        results["disk"]["store_removed"] = not any(STORE.glob("rank*"))
+    adam = {}
+    if not args.no_adam:
+        numel = next((r["parameters"] for r in results.values() if "parameters" in r), 737_668_096)
+        for row in ("ours_bf16", "ours_fp32", "deepspeed"):
+            adam[row] = worker(["adam", row, raw / f"adam_{row}.json", numel], raw / f"adam_{row}.json", args.timeout)
+            print("adam", row, json.dumps({k: v for k, v in adam[row].items() if k != "step_times"}), flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "offload.json").write_text(json.dumps({"train": results, "adam": adam}, indent=1))
+    command = " ".join(sys.argv[1:])
+    text = f"# Offload benchmark\n\nCommand: `python bench/offload.py {command}`\n\n" + table(results, adam, args)
+    (RESULTS / "offload.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
