@@ -140,3 +140,14 @@ def check_two_ranks(rank, world_size, kind, stage, tmp):
 def test_two_ranks_offload_equals_no_offload(tmp_path, kind, stage):
     spawn(check_two_ranks, 2, kind, stage, str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+def test_fp32_gradient_shard_makes_bf16_offload_equal_no_offload(tmp_path):
+    """grad_accum_dtype fp32: accumulation (2 micro-batches here) in fp32, as without offload."""
+    reference, _, _ = train(0, None, dtype=torch.bfloat16)
+    model = make_model(dtype=torch.bfloat16)
+    opt = ShardedOptimizer(groups(model), optim=torch.optim.AdamW, stage=2, bucket_numel=300, offload=spec("cpu", tmp_path, 64),
+                           grad_dtype=torch.float32, lr=3e-2, fused=True)  # fmt: skip
+    run_steps(model, opt, 0, steps=4, accumulation=2, clip=0.5, sharded=True)
+    assert opt.flats[0].grad.dtype == torch.float32
+    assert max_diff(model, reference) == 0.0

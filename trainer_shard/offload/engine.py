@@ -39,7 +39,8 @@ from .store import CpuStore, DiskStore, bytes_needed
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_NUMEL = 2**20  # 4 MB of fp32 per tensor: big enough to amortize Python, small for cache
+DEFAULT_CHUNK_NUMEL = 2**22  # 16 MB of fp32 a tensor; measured on 738 M elements (2 cores): 2**20 to 2**24
+# were within the machine's noise of each other (1.0-1.5 s a step), 2**18 clearly slower (per-chunk calls)
 
 
 @dataclass(frozen=True)
