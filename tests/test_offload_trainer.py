@@ -79,9 +79,10 @@ def test_config_scheduler_and_optimizer_take_effect(tiny_model, tiny_data, tmp_p
     assert lrs == pytest.approx([0.0, 0.0, 0.025, 0.05, 0.075, 0.1], abs=1e-9), lrs
 
 
-def test_a_full_disk_stops_the_run_before_it_touches_a_checkpoint(tiny_model, tiny_data, tmp_path, monkeypatch):
+def test_a_full_disk_stops_the_run_before_it_touches_a_checkpoint(tiny_model, tiny_data, tmp_path, monkeypatch, capsys):
     """Resuming with a disk store that does not fit: exit 2 naming the path and the bytes; the
     output folder, its checkpoint included, is byte for byte as it was."""
+    import re
     import runpy
     import shutil
     from collections import namedtuple
@@ -97,13 +98,15 @@ def test_a_full_disk_stops_the_run_before_it_touches_a_checkpoint(tiny_model, ti
     real = shutil.disk_usage
     usage = namedtuple("usage", "total used free")
 
-    def disk_usage(path):  # the store's disk has 1 MB free; every other path is as it is
-        return usage(10**9, 10**9 - 10**6, 10**6) if str(path).startswith(str(tmp_path / "st")) else real(path)
+    def disk_usage(path):  # the disk under tmp_path has 100 bytes free from now on; every other path is as it is
+        return usage(10**9, 10**9 - 100, 100) if str(path).startswith(str(tmp_path)) else real(path)
 
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     script = runpy.run_path(str(ROOT / "scripts" / "finetune_trainer.py"))
     resume = [*flags, "--max_steps", "4", "--resume_from_checkpoint", "latest", "--offload", offload_config(tmp_path, "nvme")]
     assert script["run"]([str(a) for a in resume]) == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"needs [\d,]+ bytes in '{store}/rank0' but only 100 are free", err), err
     assert not store.exists()
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after == before
