@@ -23,7 +23,7 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run  # noqa: E402
+from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run, train_flags  # noqa: E402
 
 MODEL = WORK / "t5-large-arch"
 STORE = WORK / "offload_store"
@@ -66,15 +66,8 @@ def ensure_model() -> None:
 
 
 def flags(row: str, steps: int, batch: int) -> list:
-    return [
-        "--model_name_or_path", MODEL, "--data_dir", DATA, "--task", "translation_en_to_ro",
-        "--output_dir", WORK / "out" / row, "--do_train", "--use_cpu", "--overwrite_output_dir",
-        "--max_steps", steps, "--per_device_train_batch_size", batch, "--learning_rate", "1e-4",
-        "--weight_decay", "0.01", "--optim", "adamw_torch_fused", "--max_grad_norm", "1.0",
-        "--max_source_length", "32", "--max_target_length", "32", "--n_train", "256", "--logging_steps", "1",
-        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "42",
-        *ROWS[row][1],
-    ]  # fmt: skip
+    return train_flags(MODEL, WORK / "out" / row, steps, batch, lr="1e-4", length=32, logging_steps=1,
+                       extra=["--n_train", "256", *ROWS[row][1]])  # fmt: skip
 
 
 def worker(args: list, out: Path, timeout: int, env_extra: dict | None = None) -> dict:
@@ -117,7 +110,7 @@ def table(results: dict, adam: dict, args) -> str:
         f"{args.batch}, source/target length 32, {args.steps} steps; step time: median of steps 3-{args.steps}. "
         "Peak RSS: the row's process (ru_maxrss), from start to end, model load included.",
         "",
-        "| run | step time (s) | vs fp32 | peak RSS (GB) | vs fp32 | offloaded state | final loss |",
+        "| run | step time (s) | vs fp32 | peak RSS (GiB) | vs fp32 | offloaded state | final loss |",
         "|---|---|---|---|---|---|---|",
     ]
     for row, r in results.items():
@@ -130,7 +123,7 @@ def table(results: dict, adam: dict, args) -> str:
             return f"{r[key] / base[key]:.2f}x" if base else "-"
 
         offload = r.get("offload") or {}
-        where = f"{gb(offload['offload_bytes'])} GB in {offload['offload_device']}" if "offload_bytes" in offload else "-"
+        where = f"{gb(offload['offload_bytes'])} GiB in {offload['offload_device']}" if "offload_bytes" in offload else "-"
         loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         lines.append(f"| {name} | {r['median_step_s']:.2f} | {ratio('median_step_s')} | {gb(r['peak_rss_bytes'])} "
                      f"| {ratio('peak_rss_bytes')} | {where} | {loss} |")  # fmt: skip

@@ -81,16 +81,20 @@ tok.save_pretrained({str(MODEL)!r})
     (WORK / "ds_zero2.json").write_text(json.dumps(DS_CONFIG, indent=1))
 
 
-def flags(row: str, steps: int, batch: int) -> list:
+def train_flags(model, out, steps: int, batch: int, *, lr: str, length: int, logging_steps: int, extra=()) -> list:
+    """finetune_trainer.py flags for a benchmark row: train only, fused AdamW, clipping, no saves."""
     return [
-        "--model_name_or_path", MODEL, "--data_dir", DATA, "--task", "translation_en_to_ro",
-        "--output_dir", WORK / "out" / row, "--do_train", "--use_cpu", "--overwrite_output_dir",
-        "--max_steps", steps, "--per_device_train_batch_size", batch, "--learning_rate", "3e-4",
+        "--model_name_or_path", model, "--data_dir", DATA, "--task", "translation_en_to_ro",
+        "--output_dir", out, "--do_train", "--use_cpu", "--overwrite_output_dir",
+        "--max_steps", steps, "--per_device_train_batch_size", batch, "--learning_rate", lr,
         "--weight_decay", "0.01", "--optim", "adamw_torch_fused", "--max_grad_norm", "1.0",
-        "--max_source_length", "64", "--max_target_length", "64", "--logging_steps", "5",
-        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "42",
-        *ROWS[row][1],
+        "--max_source_length", length, "--max_target_length", length, "--logging_steps", logging_steps,
+        "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--seed", "42", *extra,
     ]  # fmt: skip
+
+
+def flags(row: str, steps: int, batch: int) -> list:
+    return train_flags(MODEL, WORK / "out" / row, steps, batch, lr="3e-4", length=64, logging_steps=5, extra=ROWS[row][1])
 
 
 def run_row(row: str, steps: int, batch: int, timeout: int) -> dict:

@@ -1,7 +1,8 @@
 """trainer_shard: ZeRO-style sharding and offload for the Hugging Face Trainer, driven by flags."""
 
 from .args import ShardedDDPOption, ShardedSeq2SeqTrainingArguments, ShardedTrainingArguments
-from .errors import ArgumentError, DataError, DistributedSetupError, ShardingError, TrainerShardError
+from .errors import ArgumentError, ConfigError, DataError, DistributedSetupError, ShardingError, TrainerShardError
+from .offload import OffloadSpec, OffloadStoreError
 from .sharding import ShardedOptimizer
 from .trainer import ShardedSeq2SeqTrainer, ShardedTrainer, ShardedTrainerMixin
 
@@ -9,8 +10,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "ConfigError",
     "DataError",
     "DistributedSetupError",
+    "OffloadSpec",
+    "OffloadStoreError",
     "ShardedDDPOption",
     "ShardedOptimizer",
     "ShardedSeq2SeqTrainer",
