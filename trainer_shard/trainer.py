@@ -44,6 +44,7 @@ from .checkpoint import save_model
 from .config import apply as config_apply
 from .errors import ArgumentError, DistributedSetupError
 from .offload import OffloadSpec
+from .offload.engine import per_element_state
 from .offload.store import check_disk_store
 from .sharding import ShardedGradScaler, ShardedOptimizer
 from .sharding.optimizer import DEFAULT_BUCKET_NUMEL
@@ -140,12 +141,20 @@ class ShardedTrainerMixin:
                 )
             self.optimizer_cls_and_kwargs = config_optimizer
         if self.offload_spec is not None and self.offload_spec.device == "nvme":
-            model = self.accelerator.unwrap_model(self.model)
-            numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            world = max(1, world_size_from_env())
-            # master + two Adam moments of this rank's shard; the store checks the exact size again
-            needed = 12 * -(-numel // world)
-            check_disk_store(self.offload_spec.nvme_path, self.args.process_index, needed)
+            self._check_disk_room()
+
+    def _check_disk_room(self) -> None:
+        """Before training: room on disk for this rank's shard (master + the optimizer's
+        per-element state, fp32); the store checks the exact, padded size again when it opens."""
+        model = self.accelerator.unwrap_model(self.model)
+        optim_class, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
+        if not (isinstance(optim_class, type) and issubclass(optim_class, torch.optim.Optimizer)):
+            return  # an optimizer factory: its class is known once built; the store checks then
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
+        tensors = 1 + len(per_element_state(optim_class, kwargs))
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        needed = 4 * tensors * -(-numel // max(1, world_size_from_env()))
+        check_disk_store(self.offload_spec.nvme_path, self.args.process_index, needed)
 
     @property
     def sharding_stage(self):

@@ -112,14 +112,10 @@ class OffloadEngine:
         self.store = None
         self._param = torch.zeros(0)
         self._optim = optim_class([self._param], **_cpu_defaults(optim_class, defaults))
-        self._fused = _fused_kernel(optim_class, self.defaults)
         self._links = {}
         self._io = None
 
     # ---- building ----------------------------------------------------------------------------
-
-    def bytes_per_element(self) -> int:
-        return 4 * len(self.names)
 
     def add(self, flat, hyper: dict | None = None) -> None:
         """Take on a FlatGroup's shard: its master weights are read from the parameters."""
@@ -179,8 +175,8 @@ class OffloadEngine:
             reads = {0: self._io.submit(self._read, index, *ranges[0], 0)}
             writes = {}
         link.fetch_grad(flat.grad, *ranges[0], 0)
-        fused = self._fused is not None and _fused_kernel(self.optim_class, hyper) is not None
-        if fused:
+        kernel = _fused_kernel(self.optim_class, hyper)
+        if kernel is not None:
             fresh = self.scalars[index] is None
             step = torch.zeros((), dtype=torch.float32) if fresh else self.scalars[index]["step"].clone()
             step += 1  # once per optimizer step, as torch.optim does before its fused call
@@ -203,8 +199,8 @@ class OffloadEngine:
             grad = link.take_grad(slot, end - start, factors)
             if i + 1 < len(ranges):
                 link.fetch_grad(flat.grad, *ranges[i + 1], (i + 1) % slots)
-            if fused:
-                self._fused_chunk(chunk, grad, step, hyper, fresh)
+            if kernel is not None:
+                self._fused_chunk(kernel, chunk, grad, step, hyper, fresh)
             else:
                 new_scalars = self._step_chunk(index, chunk, grad)
             link.put_params(flat, start, chunk["master"], slot)
@@ -218,13 +214,13 @@ class OffloadEngine:
         link.end()
         self.scalars[index] = new_scalars
 
-    def _fused_chunk(self, chunk: dict, grad: torch.Tensor, step: torch.Tensor, hyper: dict, fresh: bool) -> None:
+    def _fused_chunk(self, kernel, chunk: dict, grad: torch.Tensor, step: torch.Tensor, hyper: dict, fresh: bool) -> None:
         if fresh:  # step 1 starts from zero moments, whatever the store holds
             for name in self.state_names:
                 chunk[name].zero_()
         betas = hyper.get("betas", self.defaults.get("betas", (0.9, 0.999)))
         amsgrad = bool(hyper.get("amsgrad", False))
-        self._fused(
+        kernel(
             [chunk["master"]], [grad], [chunk["exp_avg"]], [chunk["exp_avg_sq"]],
             [chunk["max_exp_avg_sq"]] if amsgrad else [], [step],
             amsgrad=amsgrad, lr=float(hyper["lr"]), beta1=float(betas[0]), beta2=float(betas[1]),

@@ -363,19 +363,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._consolidated is not None:
             return self._consolidated
-        if self._fresh:
-            # Before the first step there is nothing to save that the parameters do not hold; and
-            # accelerate's prepare() round-trips the state (state_dict, load_state_dict), which
-            # must not materialize shard-sized masters (for an offloaded 3 B model, 11 GB).
-            masters = [None] * len(self.flats)
-            return {"shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage}, "fresh": True,
-                    "inner": [{} for _ in self.flats], "masters": masters,
-                    "param_groups": self._groups_for_state_dict(self._param_ids()),
-                    **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {})}  # fmt: skip
-        masters = [self.inner.master(i) for i in range(len(self.flats))]
+        indices = range(len(self.flats))
+        # Before the first step there is nothing to save that the parameters do not hold; and
+        # accelerate's prepare() round-trips the state (state_dict, load_state_dict), which must
+        # not materialize shard-sized masters (for an offloaded 3 B model, 11 GB).
+        masters = [None if self._fresh else self.inner.master(i) for i in indices]
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
-            "inner": [self.inner.shard_state(i) for i in range(len(self.flats))],
+            "fresh": self._fresh,
+            "inner": [{} if self._fresh else self.inner.shard_state(i) for i in indices],
             # fp32 parameters are their own masters (saved with the model): None
             "masters": [None if m is None else m.detach().clone() for m in masters],
             "param_groups": self._groups_for_state_dict(self._param_ids()),
