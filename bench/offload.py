@@ -16,6 +16,7 @@ the demo English-Romanian data. Run nothing else meanwhile: the DeepSpeed row pe
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -183,6 +184,7 @@ def main() -> None:
         results[row] = worker(["train", row, raw / f"{row}.json", "--", *flags(row, args.steps, args.batch)],
                               raw / f"{row}.json", args.timeout, env)  # fmt: skip
         print(row, json.dumps({k: v for k, v in results[row].items() if k != "step_times"}), flush=True)
+        shutil.rmtree(WORK / "out" / row, ignore_errors=True)  # the row's saved model: up to 3 GB each
     if "disk" in results and "skipped" not in results["disk"]:
         results["disk"]["store_removed"] = not any(STORE.glob("rank*"))
     adam = {}
