@@ -62,10 +62,12 @@ class DiskStore:
 
     def __init__(self, sizes: dict, folder, *, rank: int = 0):
         self.folder = Path(folder) / f"rank{rank}"
-        self._made_parent = not self.folder.parent.exists()
+        made_parent = not self.folder.parent.exists()
         self.sizes = {}
         self._fds = {}
         self.add(sizes)
+        if made_parent:  # nvme_path is ours to remove when the last rank's folder is gone
+            (self.folder.parent / _MADE_HERE).touch()
 
     def add(self, sizes: dict) -> None:
         """Create (and reserve on disk) the files of more tensors."""
@@ -109,11 +111,18 @@ class DiskStore:
         self._fds = {}
         if self.folder.is_dir():
             shutil.rmtree(self.folder, ignore_errors=True)
-        if self._made_parent:
+        parent = self.folder.parent
+        # Ranks close in any order: whichever finds no rank folder left removes the folder a rank
+        # created (marked); a folder the user made stays.
+        if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
             try:
-                self.folder.parent.rmdir()
+                (parent / _MADE_HERE).unlink(missing_ok=True)
+                parent.rmdir()
             except OSError:
-                pass  # other ranks' folders are still there
+                pass  # another rank got there first, or a file appeared
+
+
+_MADE_HERE = ".made-by-trainer_shard"
 
 
 def bytes_needed(sizes: dict) -> int:
