@@ -145,14 +145,14 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
     zero = config.raw.get("zero_optimization", {})
     if stage == 1 and isinstance(zero.get("reduce_bucket_size"), int):
         # stage 1 reduces through DDP: its bucket is the config's reduce bucket
-        element = 2 if config.precision in ("bf16", "fp16") or args.bf16 or args.fp16 else 4
+        element = 2 if args.bf16 or args.fp16 else 4  # the config's precision was applied to args above
         cap_mb = max(1, math.ceil(zero["reduce_bucket_size"] * element / 2**20))
         if args.ddp_bucket_cap_mb not in (None, cap_mb):
             problems.append(f"--offload {path}: zero_optimization.reduce_bucket_size is {zero['reduce_bucket_size']:,} "
                             f"elements ({cap_mb} MB) but --ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one")  # fmt: skip
         args.ddp_bucket_cap_mb = cap_mb
     accum = config.grad_accum_dtype
-    precision = config.precision if config.precision in ("bf16", "fp16") else "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     if accum not in (None, "fp32") and accum != precision:
         problems.append(f"--offload {path}: data_types.grad_accum_dtype is {accum} but the run trains in {precision}; "
                         f"use fp32 or {precision}")  # fmt: skip

@@ -114,6 +114,7 @@ class OffloadEngine:
         self._optim = optim_class([self._param], **_cpu_defaults(optim_class, defaults))
         self._links = {}
         self._io = None
+        self._buffers = None  # disk store: `buffer_count` sets of chunk buffers, made at the first step
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -248,7 +249,7 @@ class OffloadEngine:
         return scalars
 
     def _ensure_chunk_buffers(self) -> None:
-        if getattr(self, "_buffers", None) is None:
+        if self._buffers is None:
             n = self.spec.chunk_numel
             self._buffers = [{name: torch.empty(n) for name in self.names} for _ in range(self.spec.buffer_count)]
 

@@ -134,8 +134,7 @@ class FlatGroup:
     def refresh_master(self) -> None:
         """Master <- this rank's slices of the buffer. See [Note: parameters edited from outside]."""
         if self.master is not None:
-            for bucket in self.layout.buckets:
-                self.shard_of(self.master, bucket).copy_(self.buffer[slice(*bucket.slice_range(self.rank))])
+            self.read_shard(0, self.master)
         self._seen_versions = self._versions()
 
     def _versions(self) -> tuple:

@@ -183,7 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             bad = torch.zeros(1, device=self._device())
             for flat in self.flats:
-                bad += not _all_finite(flat.grad)
+                bad += ~_all_finite(flat.grad)
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
@@ -432,7 +432,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     inner[key] = values[0]
             self.inner.load_shard_state(index, inner)
-            if masters is not None and flat.separate_master and flat.dtype != torch.float32:
+            if masters is not None and flat.dtype != torch.float32:  # fp32 parameters are their own masters
                 self.inner.load_master(index, _shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
             else:
                 self.inner.refresh_master(index, flat)
@@ -540,9 +540,11 @@ def _check_same_everywhere(index: int, params: list, group) -> None:
             )
 
 
-def _all_finite(t: torch.Tensor, chunk: int = 2**22) -> bool:
-    """No inf/NaN in `t`, checked a chunk at a time (no shard-sized temporary)."""
-    return all(bool(torch.isfinite(t[s : s + chunk]).all()) for s in range(0, t.numel(), chunk))
+def _all_finite(t: torch.Tensor, chunk: int = 2**22) -> torch.Tensor:
+    """No inf/NaN in `t` (a bool tensor on its device, so no sync per chunk), checked a chunk at a
+    time (no shard-sized temporary)."""
+    checks = [torch.isfinite(t[s : s + chunk]).all() for s in range(0, t.numel(), chunk)]
+    return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=t.device)
 
 
 def _power_sum(t: torch.Tensor, p: float, row: int = 4096, rows_per_pass: int = 1024) -> torch.Tensor:
