@@ -52,7 +52,7 @@ def script_env() -> dict:
     return env
 
 
-def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a script with `python`, or under `torchrun --nproc_per_node N` when nproc > 1."""
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -62,7 +62,7 @@ def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300) -> su
     return subprocess.run(
         [*launcher, str(script), *map(str, args)],
         cwd=ROOT,
-        env=script_env(),
+        env={**script_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -75,8 +75,10 @@ def test_sharded_checkpoint_resumes_exactly(tiny_model, tiny_data, tmp_path):
                         "--save_steps", "3")  # fmt: skip
     assert_ok(run_script(flags, nproc=2))
     straight = load_file(out / "model.safetensors")
-    optimizer_state = torch.load(out / "checkpoint-3" / "optimizer.pt", weights_only=True)
-    assert len(optimizer_state["state"]) == len(straight)  # the full state, every parameter's, on rank 0
+    shards = out / "checkpoint-3" / "optimizer_shards"  # each rank's shard, no full state on rank 0
+    assert sorted(p.name for p in shards.iterdir()) == ["index.json", "rank-00000-of-00002.safetensors",
+                                                        "rank-00001-of-00002.safetensors"]  # fmt: skip
+    assert not (out / "checkpoint-3" / "optimizer.pt").exists()
     assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
     resumed = load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -14,14 +14,19 @@ loaded by `from_pretrained` and `safetensors.torch.load_file` as any other.
 import json
 import os
 import re
+import shutil
 import struct
+import zlib
 from pathlib import Path
 
 import torch
 
+from .errors import CheckpointError
+
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}  # fmt: skip
+_NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def unique_state_dict(model) -> dict:
@@ -45,14 +50,29 @@ def _tied_patterns(model) -> list:
     return list(keys.keys() if isinstance(keys, dict) else keys)
 
 
-def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
-    """Write `tensors` to `path` in safetensors format, one tensor at a time, copying none of
-    them (a CPU tensor is written from its own memory; others are moved one at a time)."""
+class Chunked:
+    """A tensor written piece by piece: `read(start, out)` fills `out` with its flattened
+    elements [start, start + len(out)). For state that is never whole in memory (a disk store)."""
+
+    def __init__(self, dtype, shape, read, chunk_numel: int = 2**22):
+        self.dtype, self.shape, self.read, self.chunk_numel = dtype, tuple(shape), read, chunk_numel
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> dict:
+    """Write `tensors` (tensors or `Chunked`) to `path` in safetensors format, one at a time,
+    copying none of them (a CPU tensor is written from its own memory, a `Chunked` through one
+    chunk buffer). Written to `path.tmp`, then renamed. Returns {"bytes", "crc32"} of the file."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"{name}: dtype {tensor.dtype} cannot be saved in safetensors")
-        size = tensor.numel() * tensor.element_size()
+        size = tensor.numel() * _itemsize(tensor.dtype)
         header[name] = {"dtype": _DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     if metadata:
@@ -61,24 +81,209 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     tmp = Path(f"{path}.tmp")
     with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+        crc = _Crc(f)
+        crc.write(struct.pack("<Q", len(encoded)))
+        crc.write(encoded)
         for tensor in tensors.values():
-            data = tensor.detach()
-            if data.device.type != "cpu" or not data.is_contiguous():
-                data = data.to("cpu").contiguous()
-            if data.numel():
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+            for piece in _pieces(tensor):
+                crc.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # a save that fails half-way leaves the previous file in place
+    return {"bytes": crc.bytes, "crc32": crc.value}
 
 
-def save_model(model, output_dir) -> None:
-    """The weights (model.safetensors) and the configuration files `from_pretrained` reads."""
+def _pieces(tensor):
+    """CPU, contiguous pieces of `tensor` in order."""
+    if isinstance(tensor, Chunked):
+        buffer = torch.empty(min(tensor.chunk_numel, max(tensor.numel(), 1)), dtype=tensor.dtype)
+        for start in range(0, tensor.numel(), tensor.chunk_numel):
+            out = buffer[: min(tensor.chunk_numel, tensor.numel() - start)]
+            tensor.read(start, out)
+            yield out
+        return
+    data = tensor.detach()
+    if data.device.type != "cpu" or not data.is_contiguous():
+        data = data.to("cpu").contiguous()
+    if data.numel():
+        yield data
+
+
+class _Crc:
+    """A file writer that counts bytes and keeps the CRC-32 of what went through it."""
+
+    def __init__(self, f):
+        self.f, self.bytes, self.value = f, 0, 0
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.value = zlib.crc32(data, self.value)
+        self.bytes += len(data)
+
+
+def file_crc32(path, block: int = 2**24) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            value = zlib.crc32(chunk, value)
+    return value
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class SafetensorsFile:
+    """Reads tensors, or element ranges of them, from a safetensors file with `pread`: nothing is
+    memory-mapped, so reading a piece costs only that piece (mapped pages would count in the
+    process's resident memory as the whole file is read).
+
+        f = SafetensorsFile("rank-00000-of-00002.safetensors")
+        f.read("flat0.exp_avg", 1000, 2000)   # elements [1000, 2000) of the flattened tensor
+
+    A file too short for its header, or a header that is not valid, raises `CheckpointError`
+    naming the file.
+    """
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"cannot open checkpoint file {str(self.path)!r}: {e.strerror}") from None
+        size = os.fstat(self._fd).st_size
+        try:
+            (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+            if not 0 < length <= size - 8:
+                raise ValueError(f"header length {length} for a {size}-byte file")
+            header = json.loads(os.pread(self._fd, length, 8))
+            self.metadata = header.pop("__metadata__", None) or {}
+            self._data_start = 8 + length
+            self.tensors = {}
+            for name, info in header.items():
+                begin, end = info["data_offsets"]
+                dtype = _NAMES[info["dtype"]]
+                if not 0 <= begin <= end <= size - self._data_start:
+                    raise ValueError(f"{name!r} lies beyond the end of the file")
+                self.tensors[name] = (dtype, tuple(info["shape"]), begin, end)
+        except (ValueError, KeyError, TypeError, struct.error) as e:
+            os.close(self._fd)
+            raise CheckpointError(
+                f"checkpoint file {str(self.path)!r} is corrupt or truncated ({e}); resume from an earlier checkpoint"
+            ) from None
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def dtype(self, name: str):
+        return self.tensors[name][0]
+
+    def shape(self, name: str) -> tuple:
+        return self.tensors[name][1]
+
+    def read(self, name: str, start: int = 0, end: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements [start, end) of tensor `name`, flattened (into `out` when given); the whole
+        tensor in its shape when neither bound is given."""
+        if name not in self.tensors:
+            raise CheckpointError(f"checkpoint file {str(self.path)!r} has no tensor {name!r}")
+        dtype, shape, begin, _ = self.tensors[name]
+        whole = start == 0 and end is None
+        numel = 1
+        for d in shape:
+            numel *= d
+        end = numel if end is None else end
+        if out is None:
+            out = torch.empty(end - start, dtype=dtype)
+        size = _itemsize(dtype)
+        if out.numel():
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            got = os.preadv(self._fd, [view], self._data_start + begin + start * size)
+            if got != len(view):
+                raise CheckpointError(f"checkpoint file {str(self.path)!r} ends inside {name!r}: truncated")
+        return out.view(shape) if whole else out
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def save_model(model, output_dir) -> dict:
+    """The weights (model.safetensors) and the configuration files `from_pretrained` reads.
+    Returns the weights file's {"bytes", "crc32"}."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(output_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(output_dir)
-    save_safetensors(unique_state_dict(model), output_dir / "model.safetensors", {"format": "pt"})
+    return save_safetensors(unique_state_dict(model), output_dir / "model.safetensors", {"format": "pt"})
+
+
+# ---- crash safety ---------------------------------------------------------------------------------
+
+MANIFEST = "checkpoint_manifest.json"
+STAGING = ".checkpoint-staging"  # checkpoints are written here, then renamed into place
+
+
+def write_manifest(folder, known: dict | None = None) -> None:
+    """`folder/checkpoint_manifest.json`: every file's size and CRC-32 (`known` ones, by relative
+    path, are taken as given: the writer computed them as it wrote)."""
+    folder = Path(folder)
+    known = known or {}
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        name = path.relative_to(folder).as_posix()
+        files[name] = known.get(name) or {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+    tmp = folder / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def manifest_problems(folder, rank: int = 0, world_size: int = 1) -> list:
+    """What is wrong with a checkpoint against its manifest: missing files, sizes, and the CRC-32
+    of every `world_size`-th file (this rank's share). [] without a manifest (a plain Trainer's)."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{str(path)!r} is corrupt ({e})"]
+    problems = []
+    for position, (name, info) in enumerate(sorted(files.items())):
+        file = folder / name
+        if not file.is_file():
+            problems.append(f"{str(file)!r} is missing")
+        elif file.stat().st_size != info["bytes"]:
+            problems.append(f"{str(file)!r} has {file.stat().st_size} bytes, {info['bytes']} were saved: truncated")
+        elif position % world_size == rank and file_crc32(file) != info["crc32"]:
+            problems.append(f"{str(file)!r} is corrupt: its CRC-32 differs from the one recorded when it was saved")
+    return problems
+
+
+def publish(staging, final) -> None:
+    """Rename a complete checkpoint folder into place; a folder already there (the same step saved
+    again) is replaced only once the new one is complete."""
+    staging, final = Path(staging), Path(final)
+    old = staging.with_name(staging.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(staging, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -3,6 +3,7 @@
     trainer-shard make-demo-data --out_dir data/demo_en_ro
     trainer-shard build-demo-model --data_dir data/demo_en_ro --out_dir data/demo_t5
     trainer-shard validate-config configs/offload_cpu.json [--world_size 2]
+    trainer-shard consolidate output/checkpoint-500 t5-final [--dtype bfloat16] [--max_shard_size 2GB]
 """
 
 import importlib
@@ -12,6 +13,7 @@ COMMANDS = {
     "make-demo-data": ("trainer_shard.demo", "make_demo_data_main", "write the num2words English-Romanian data set"),
     "build-demo-model": ("trainer_shard.demo", "build_demo_model_main", "build the small T5 and its BPE tokenizer"),
     "validate-config": ("trainer_shard.cli", "validate_config_main", "check an --offload JSON config, every problem at once"),
+    "consolidate": ("trainer_shard.consolidate", "consolidate_main", "a sharded checkpoint -> a plain model folder"),
 }
 
 

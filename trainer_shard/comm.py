@@ -138,3 +138,9 @@ def all_gather_objects(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of `group`. See [Note: collective calls]."""
+    if is_distributed(group):
+        dist.barrier(group=group)

@@ -49,3 +49,7 @@ class ConfigError(TrainerShardError):
         lines = [f"  - {path}: {message}" for path, message in self.problems]
         count = f"{len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}"
         super().__init__(f"offload config {source}: {count}\n" + "\n".join(lines))
+
+
+class CheckpointError(TrainerShardError):
+    """A checkpoint that is missing files, has corrupt ones, or does not fit the run resuming it."""

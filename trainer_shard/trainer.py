@@ -16,7 +16,8 @@ Trainer would have built (same class, hyperparameters and weight-decay groups):
 - `--bf16` / `--fp16`: the model's parameters and gradients become 16-bit; each rank keeps fp32
   master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
 - gradient clipping and the logged grad norm use the global norm over all shards;
-  checkpoints hold the full optimizer state, consolidated on rank 0.
+  checkpoints hold each rank's optimizer shard and resume at any world size (see
+  [Note: sharded checkpoints]).
 
 With `--offload CONFIG.json` (or `--sharded_ddp "zero_dp_2 offload"`, CPU offload with the
 defaults) the optimizer's master weights and state go to the offload engine's store, CPU RAM
@@ -28,25 +29,39 @@ On one process, offload runs the ZeRO-2 path on a world of one.
 
 import functools
 import inspect
+import json
 import logging
 import os
+import shutil
+import warnings
+from pathlib import Path
 
 import torch.distributed as dist
 from accelerate.utils import DistributedType
 from transformers import PreTrainedModel, Seq2SeqTrainer, Trainer
-from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer import (
+    OPTIMIZER_NAME,
+    OPTIMIZER_NAME_BIN,
+    SCHEDULER_NAME,
+    TRAINER_STATE_NAME,
+    TRAINING_ARGS_NAME,
+)
+from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from transformers.training_args import ParallelMode
 
 import torch
 
 from .args import ShardedDDPOption, stage_from_options, world_size_from_env
-from .checkpoint import save_model
+from . import comm
+from .checkpoint import STAGING, manifest_problems, publish, save_model, write_manifest
 from .config import apply as config_apply
-from .errors import ArgumentError, DistributedSetupError
+from .errors import ArgumentError, CheckpointError, DistributedSetupError
 from .offload import OffloadSpec
 from .offload.engine import per_element_state
 from .offload.store import check_disk_store
 from .sharding import ShardedGradScaler, ShardedOptimizer
+from .sharding import state_io
 from .sharding.optimizer import DEFAULT_BUCKET_NUMEL
 
 logger = logging.getLogger(__name__)
@@ -232,15 +247,102 @@ class ShardedTrainerMixin:
             grad_norm = self.sharded_optimizer.grad_norm()
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
+    # ---- checkpoints ---------------------------------------------------------------------------
+    # [Note: sharded checkpoints] A sharded run saves the model in the usual Hugging Face form and
+    # each rank's optimizer shard next to it (`optimizer_shards/`, see sharding/state_io.py); it
+    # resumes from such a folder at any world size, stage or offload, or without sharding. Every
+    # checkpoint is written under `.checkpoint-staging/` and renamed into place once all ranks
+    # have finished, with a manifest of its files' sizes and CRC-32s that resuming checks first.
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.sharding_stage is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        # The Trainer writes the optimizer state from the main process: gather it there first.
-        self.sharded_optimizer.consolidate_state_dict(to=0)
+        model = self.accelerator.unwrap_model(self.model)
+        state_io.save_shards(self.sharded_optimizer, Path(output_dir) / state_io.FOLDER, state_io.param_names(model))
+        if self.args.should_save and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None:
+            return
+        shards = Path(checkpoint) / state_io.FOLDER
+        if not shards.is_dir():
+            if not any((Path(checkpoint) / name).is_file() for name in (OPTIMIZER_NAME, OPTIMIZER_NAME_BIN)):
+                raise CheckpointError(
+                    f"{str(checkpoint)!r} holds no optimizer state ({state_io.FOLDER}/ or {OPTIMIZER_NAME}): it was "
+                    "saved with --save_only_model, or its save did not finish. Resuming would restart the optimizer "
+                    "silently; resume from a complete checkpoint, or start a new run from these weights with "
+                    "--model_name_or_path"
+                )
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        model = self.accelerator.unwrap_model(self.model)
+        if self.sharding_stage is not None:
+            state_io.load_shards(self.sharded_optimizer, shards, state_io.param_names(model))
+        else:
+            state_io.load_into_plain(self.optimizer, model, shards)
+        scheduler = Path(checkpoint) / SCHEDULER_NAME
+        if self.lr_scheduler is not None:
+            if not scheduler.is_file():
+                raise CheckpointError(f"{str(scheduler)!r} is missing: the LR schedule cannot resume; resume from a "
+                                      "complete checkpoint")  # fmt: skip
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            reissue_pt_warnings(caught)
+
+    def _get_output_dir(self, trial) -> str:
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, STAGING) if getattr(self, "_staging", False) else run_dir
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's save, into `.checkpoint-staging/checkpoint-N`; renamed to `checkpoint-N`
+        once every rank has written its files. See [Note: sharded checkpoints]. Collective."""
+        self._model_file_info = None
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging, final = os.path.join(run_dir, STAGING, name), os.path.join(run_dir, name)
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
+        comm.barrier()
+        self._staging = True
         try:
-            super()._save_optimizer_and_scheduler(output_dir)
+            super()._save_checkpoint(model, trial)
         finally:
-            self.sharded_optimizer.release_consolidated()
+            self._staging = False
+        comm.barrier()  # every rank's files are written
+        best = self.state.best_model_checkpoint
+        if best is not None and os.path.dirname(best) == os.path.join(run_dir, STAGING):
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+        if self.args.should_save:
+            if best != self.state.best_model_checkpoint:
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+            write_manifest(staging, self._known_files(staging))
+            publish(staging, final)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
+        comm.barrier()  # nobody goes on before the checkpoint is in place
+
+    def _known_files(self, folder) -> dict:
+        """Sizes and CRC-32s the writers computed, so the manifest does not read those files again."""
+        known = {}
+        index = Path(folder) / state_io.FOLDER / state_io.INDEX
+        if index.is_file():
+            for name, info in json.loads(index.read_text())["files"].items():
+                known[f"{state_io.FOLDER}/{name}"] = info
+        if getattr(self, "_model_file_info", None) is not None:
+            known["model.safetensors"] = self._model_file_info
+        return known
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""
+        rank, world = self.args.process_index, self.args.world_size
+        problems = manifest_problems(resume_from_checkpoint, rank, world)
+        if world > 1:
+            problems = sorted({p for found in comm.all_gather_objects(problems) for p in found})
+        if problems:
+            raise CheckpointError(f"checkpoint {str(resume_from_checkpoint)!r} cannot be resumed: "
+                                  + "; ".join(problems) + ". Resume from an earlier checkpoint")  # fmt: skip
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save(self, output_dir=None, state_dict=None) -> None:
         """Sharded runs: write the weights from the flat buffer's views, without the full copy
@@ -252,7 +354,7 @@ class ShardedTrainerMixin:
         if not self.args.should_save:
             return
         logger.info("Saving model checkpoint to %s", output_dir)
-        save_model(model, output_dir)
+        self._model_file_info = save_model(model, output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -498,6 +498,55 @@ class _OnDevice:
     def refresh_master(self, index: int, flat: FlatGroup) -> None:
         flat.refresh_master()
 
+    # [Note: chunked state access] What checkpoints read and write, a range of one shard-sized
+    # tensor at a time, for both steppers (`OffloadEngine` has the same methods): "master" (the
+    # fp32 weights) and the optimizer's per-element state, by name.
+
+    def tensor_names(self, index: int) -> list:
+        view = self.flats[index].master_views[0]
+        state = self.optim.state.get(view, {})
+        return ["master", *(k for k, v in state.items() if _per_element(k, v, view))]
+
+    def read(self, index: int, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        flat = self.flats[index]
+        if name == "master" and flat.master is None:  # fp32 parameters are their own masters
+            return flat.read_shard(start, out)
+        for lo, hi, tensor in self._pieces(index, name, start, start + out.numel()):
+            out[lo - start : hi - start].copy_(tensor)
+        return out
+
+    def write(self, index: int, name: str, start: int, values: torch.Tensor) -> None:
+        flat = self.flats[index]
+        if name == "master" and flat.master is None:
+            flat.write_shard(start, values)
+            return
+        for lo, hi, tensor in self._pieces(index, name, start, start + values.numel(), create=True):
+            tensor.copy_(values[lo - start : hi - start])
+
+    def _pieces(self, index: int, name: str, start: int, end: int, create: bool = False):
+        """(lo, hi, tensor view) for shard elements [lo, hi) of `name` in [start, end), bucket by bucket."""
+        flat = self.flats[index]
+        for view, bucket in zip(flat.master_views, flat.layout.buckets):
+            lo, hi = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_numel)
+            if lo >= hi:
+                continue
+            if name == "master":
+                tensor = view
+            else:
+                state = self.optim.state[view]
+                if name not in state and create:
+                    state[name] = torch.zeros_like(view)
+                tensor = state[name]
+            yield lo, hi, tensor[lo - bucket.shard_offset : hi - bucket.shard_offset]
+
+    def scalar_state(self, index: int) -> dict:
+        view = self.flats[index].master_views[0]
+        return {k: v for k, v in self.optim.state.get(view, {}).items() if not _per_element(k, v, view)}
+
+    def set_scalar_state(self, index: int, scalars: dict) -> None:
+        for view in self.flats[index].master_views:
+            self.optim.state[view].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+
     def state_bytes(self) -> dict:
         state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
                     if torch.is_tensor(v))  # fmt: skip

@@ -1,0 +1,218 @@
+"""`trainer-shard consolidate CHECKPOINT OUT`: a sharded checkpoint -> a plain model folder.
+
+    trainer-shard consolidate output/checkpoint-500 t5-final                  # fp32, from the masters
+    trainer-shard consolidate output/checkpoint-500 t5-bf16 --dtype bfloat16 --max_shard_size 2GB
+    trainer-shard consolidate output/checkpoint-500 t5-full --optimizer       # + optimizer.safetensors
+
+The weights come from the fp32 master shards of `optimizer_shards/` (the trainable parameters,
+at full precision even when the run trained in bf16) and from the checkpoint's own model file
+(buffers and frozen parameters). Output: safetensors, split into `max_shard_size` files with a
+`model.safetensors.index.json` when bigger, and the checkpoint's config and tokenizer files:
+`AutoModelForSeq2SeqLM.from_pretrained(OUT)` loads it.
+
+It streams: every output tensor is assembled a chunk of 4 M elements at a time from the ranks'
+files (read with `pread`, nothing memory-mapped), so peak memory is a few chunk buffers, not the
+model. `--optimizer` writes the full, unsharded optimizer state the same way to
+`optimizer.safetensors`: `state.{parameter}.{key}` tensors (exp_avg...), the scalars (step) and
+the param groups, by parameter name, in its metadata.
+"""
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import MANIFEST, Chunked, SafetensorsFile, save_safetensors
+from .errors import CheckpointError
+from .sharding import state_io
+
+_NOT_COPIED = re.compile(
+    r"^(model.*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?|optimizer.*|scheduler\.pt|"
+    r"rng_state.*\.pth|trainer_state\.json|training_args\.bin|scaler\.pt|" + re.escape(MANIFEST) + r")$"
+)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+CHUNK_NUMEL = 2**22
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB' or a number of bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise CheckpointError(f"--max_shard_size {text!r}: give a size such as 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(number * (1024 if "I" in unit else 1000) ** power)
+
+
+class _ModelFiles:
+    """The checkpoint's own model weights: one safetensors file or an index of several."""
+
+    def __init__(self, folder: Path):
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            weight_map = {name: "model.safetensors" for name in SafetensorsFile(folder / "model.safetensors").keys()}
+        else:
+            raise CheckpointError(f"{str(folder)!r} has no model.safetensors (or index): not a checkpoint of this trainer")
+        self.folder, self.weight_map, self.files = folder, weight_map, {}
+
+    def file(self, name: str) -> SafetensorsFile:
+        filename = self.weight_map[name]
+        if filename not in self.files:
+            self.files[filename] = SafetensorsFile(self.folder / filename)
+        return self.files[filename]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", optimizer: bool = False) -> Path:
+    """Write the plain model folder `out` from `checkpoint`. See the module docstring."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(set(_DTYPES))}")
+    limit = parse_size(max_shard_size)
+    shards = checkpoint / state_io.FOLDER
+    if not shards.is_dir():
+        raise CheckpointError(f"{str(checkpoint)!r} has no {state_io.FOLDER}/: consolidate reads the checkpoints of "
+                              "sharded or offloaded runs (a plain run's checkpoint is already a model folder)")  # fmt: skip
+    if out.resolve() == checkpoint.resolve():
+        raise CheckpointError("OUT must be another folder than CHECKPOINT")
+    index = state_io.read_index(shards)
+    state_io.verify_files(shards, index)
+    sources = state_io.ShardSources(shards, index)
+    model = _ModelFiles(checkpoint)
+    target = _DTYPES[dtype]
+    try:
+        unmatched = sorted(set(sources.where) - set(model.weight_map))
+        if unmatched:  # their masters would be left out: refuse rather than write lower-precision copies
+            raise CheckpointError(f"the optimizer shards hold parameters the model file does not name: {unmatched[:5]}")
+        tensors = {name: _source(name, model, sources, target) for name in model.weight_map}
+        out.mkdir(parents=True, exist_ok=True)
+        _write_sharded(tensors, out, limit)
+        _copy_side_files(checkpoint, out, target)
+        if optimizer:
+            _write_optimizer(sources, index, out)
+    finally:
+        sources.close()
+        model.close()
+    return out
+
+
+def _source(name: str, model: _ModelFiles, sources, target) -> Chunked:
+    """One output tensor, read a chunk at a time: masters for trainable parameters, else the model file."""
+    saved = model.file(name)
+    shape, saved_dtype = saved.shape(name), saved.dtype(name)
+    dtype = target if saved_dtype.is_floating_point else saved_dtype
+    if name in sources.where:
+        if tuple(sources.where[name][1]) != tuple(shape):
+            raise CheckpointError(f"{name!r}: the optimizer shards say {sources.where[name][1]}, the model file {shape}")
+
+        def read(start, out_chunk, name=name):
+            fp32 = _scratch(out_chunk.numel())
+            sources.read_range(name, "master", start, fp32)
+            out_chunk.copy_(fp32)
+    else:
+
+        def read(start, out_chunk, name=name, file=saved):
+            raw = _scratch(out_chunk.numel(), saved_dtype)
+            file.read(name, start, start + out_chunk.numel(), raw)
+            out_chunk.copy_(raw)
+
+    return Chunked(dtype, shape, read, CHUNK_NUMEL)
+
+
+_SCRATCH = {}
+
+
+def _scratch(numel: int, dtype=torch.float32) -> torch.Tensor:
+    """A reused buffer: one per dtype, the size of a chunk."""
+    buffer = _SCRATCH.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH[dtype] = torch.empty(max(numel, CHUNK_NUMEL), dtype=dtype)
+    return buffer[:numel]
+
+
+def _write_sharded(tensors: dict, out: Path, limit: int) -> None:
+    """One file, or several of at most `limit` bytes (a bigger tensor alone) plus the index."""
+    groups, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * torch.empty((), dtype=tensor.dtype).element_size()
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    groups.append(current)
+    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        stale.unlink()
+    if len(groups) == 1:
+        save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups):
+        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_safetensors(group, out / filename, {"format": "pt"})
+        weight_map.update({name: filename for name in group})
+    index = {"metadata": {"total_size": sum(t.numel() * torch.empty((), dtype=t.dtype).element_size()
+                                            for g in groups for t in g.values())},
+             "weight_map": weight_map}  # fmt: skip
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _copy_side_files(checkpoint: Path, out: Path, dtype) -> None:
+    """config.json (its dtype set to the output's), generation config, tokenizer files."""
+    for path in checkpoint.iterdir():
+        if path.is_file() and not _NOT_COPIED.match(path.name):
+            shutil.copy2(path, out / path.name)
+    config = out / "config.json"
+    if config.is_file():
+        values = json.loads(config.read_text())
+        for key in ("dtype", "torch_dtype"):
+            if key in values:
+                values[key] = str(dtype).removeprefix("torch.")
+        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+
+
+def _write_optimizer(sources, index: dict, out: Path) -> None:
+    """optimizer.safetensors: the full state by parameter name, streamed like the weights."""
+    if index["fresh"]:
+        raise CheckpointError("--optimizer: this checkpoint was saved before the first optimizer step; it has no state")
+    tensors, scalars = {}, {}
+    for name, (flat, shape, _) in sources.where.items():
+        for key in sources.keys(name):
+            if key == "master":
+                continue
+
+            def read(start, out_chunk, name=name, key=key):
+                sources.read_range(name, key, start, out_chunk)
+
+            tensors[f"state.{name}.{key}"] = Chunked(torch.float32, shape, read, CHUNK_NUMEL)
+        scalars[name] = {k: (v.item() if torch.is_tensor(v) else v) for k, v in sources.scalars(flat).items()}
+    metadata = {"format": "trainer_shard.optimizer/1", "optimizer": index["optimizer"],
+                "param_groups": json.dumps(index["param_groups"]), "scalars": json.dumps(scalars)}  # fmt: skip
+    save_safetensors(tensors, out / "optimizer.safetensors", metadata)
+
+
+def consolidate_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="trainer-shard consolidate", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint-N folder of a sharded or offloaded run")
+    parser.add_argument("out", help="the model folder to write")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--max_shard_size", default="5GB", help="largest weights file (default 5GB)")
+    parser.add_argument("--optimizer", action="store_true", help="also write the full optimizer state")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.optimizer)
+    except CheckpointError as e:
+        print(f"trainer-shard: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
