@@ -279,6 +279,10 @@ def publish(staging, final) -> None:
     os.replace(staging, final)
     _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+    try:
+        staging.parent.rmdir()  # the staging folder itself, when nothing else is in it
+    except OSError:
+        pass
 
 
 def _fsync_dir(path) -> None:
