@@ -126,7 +126,7 @@ def test_damaged_shards_are_named(saved, tmp_path):
     with pytest.raises(CheckpointError, match="rank-00001-of-00002.safetensors' is corrupt"):
         state_io.verify_files(copy, state_io.read_index(copy))
     target.write_bytes(bytes(data[:100]))
-    with pytest.raises(CheckpointError, match="rank-00001-of-00002.safetensors' has 100 bytes.*truncated"):
+    with pytest.raises(CheckpointError, match="rank-00001-of-00002.safetensors' has 100 bytes.*were saved: truncated"):
         state_io.verify_files(copy, state_io.read_index(copy))
     with pytest.raises(CheckpointError, match="corrupt or truncated"):
         SafetensorsFile(target)

@@ -256,9 +256,15 @@ def manifest_problems(folder, rank: int = 0, world_size: int = 1) -> list:
         files = json.loads(path.read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
         return [f"{str(path)!r} is corrupt ({e})"]
+    return file_problems(folder, files, rank, world_size)
+
+
+def file_problems(folder, files: dict, rank: int = 0, world_size: int = 1) -> list:
+    """Files of `files` ({relative path: {"bytes", "crc32"}}) missing or of another size under
+    `folder`; and the CRC-32 of every `world_size`-th file, this rank's share of the reading."""
     problems = []
     for position, (name, info) in enumerate(sorted(files.items())):
-        file = folder / name
+        file = Path(folder) / name
         if not file.is_file():
             problems.append(f"{str(file)!r} is missing")
         elif file.stat().st_size != info["bytes"]:

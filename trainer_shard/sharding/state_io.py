@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..checkpoint import Chunked, SafetensorsFile, file_crc32, save_safetensors
+from ..checkpoint import Chunked, SafetensorsFile, file_problems, save_safetensors
 from ..errors import CheckpointError
 
 FOLDER = "optimizer_shards"
@@ -152,16 +152,7 @@ def read_index(folder) -> dict:
 def verify_files(folder, index: dict, rank: int = 0, world_size: int = 1, group=None) -> None:
     """Every shard file is there with its size; this rank checks the CRC-32 of every
     `world_size`-th file. Collective when `world_size` > 1: all ranks raise the same error."""
-    folder = Path(folder)
-    problems = []
-    for position, (name, info) in enumerate(sorted(index["files"].items())):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{str(path)!r} is missing")
-        elif path.stat().st_size != info["bytes"]:
-            problems.append(f"{str(path)!r} has {path.stat().st_size} bytes, the index says {info['bytes']}: truncated")
-        elif position % world_size == rank and file_crc32(path) != info["crc32"]:
-            problems.append(f"{str(path)!r} is corrupt: its CRC-32 differs from the one recorded when it was saved")
+    problems = file_problems(folder, index["files"], rank, world_size)
     if world_size > 1:
         problems = sorted({p for rank_problems in comm.all_gather_objects(problems, group) for p in rank_problems})
     if problems:
