@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataC
 from trainer_shard import ShardedSeq2SeqTrainer
 from trainer_shard.errors import TrainerShardError
 from trainer_shard.loading import load_pretrained_lean
+from trainer_shard.offload.dispatch import load_dispatched
 from trainer_shard.finetune import (
     count_parameters,
     freeze_params,
@@ -60,7 +61,7 @@ def main(argv=None, **trainer_kwargs):
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
     )
-    model = load_model(model_args, config, load_dtype(training_args))
+    model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload)
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
@@ -108,9 +109,15 @@ def main(argv=None, **trainer_kwargs):
     return trainer, results
 
 
-def load_model(model_args, config, dtype):
-    """16-bit parameters for a sharded run load a tensor at a time when the checkpoint allows
-    (trainer_shard.loading): no moment with the whole checkpoint mapped next to them."""
+def load_model(model_args, config, dtype, offload_config=None, source="--offload"):
+    """With the --offload config's "inference" section (evaluation and prediction only): built
+    empty, placed by a device map over devices, CPU RAM and disk, loaded a shard at a time
+    (trainer_shard.offload.dispatch). 16-bit parameters for a sharded run load a tensor at a time
+    when the checkpoint allows (trainer_shard.loading): no moment with the whole checkpoint
+    mapped next to them."""
+    if offload_config is not None and offload_config.inference is not None:
+        return load_dispatched(AutoModelForSeq2SeqLM, model_args.model_name_or_path, offload_config.inference,
+                               config=config, source=str(source))  # fmt: skip
     if dtype in (torch.bfloat16, torch.float16):
         model = load_pretrained_lean(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
         if model is not None:

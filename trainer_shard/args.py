@@ -173,9 +173,28 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
             check_disk_store(spec.nvme_path, 0, 0)  # room is checked once the model's size is known
         except OffloadStoreError as e:
             problems.append(f"--offload {path}: {e}")
+    folder = (config.inference or {}).get("offload_folder")
+    if folder:
+        from .offload.store import OffloadStoreError, check_disk_store
+
+        try:
+            check_disk_store(folder, 0, 0)
+        except OffloadStoreError as e:
+            problems.append(f"--offload {path}: inference.offload_folder: {e}")
     if spec is not None and spec.pin_memory and not has_accelerator():
         logger.info("--offload %s: pin_memory applies to CUDA host-device copies; this run has no GPU", path)
     return problems
+
+
+def _size_problems(args) -> list:
+    from .config.load import parse_size
+
+    try:
+        if parse_size(args.max_shard_size) < 1:
+            raise ValueError("must be at least 1 byte")
+    except ValueError as e:
+        return [f"--max_shard_size {args.max_shard_size!r}: {e}"]
+    return []
 
 
 def _peer_problems(args, options) -> list:
@@ -258,6 +277,11 @@ class ShardingArguments:
         default=None,
         metadata={"help": "Path of a JSON offload config (a DeepSpeed-compatible subset); see configs/README.md."},
     )
+    max_shard_size: str = field(
+        default="5GB",
+        metadata={"help": "Largest weights file of a saved model or checkpoint (5GB, 500MB, 2GiB...): bigger models "
+                  "are split into several files and an index, which loaders read one at a time."},
+    )
 
     def __post_init__(self):
         self.offload_config = None  # the loaded --offload config (config.OffloadConfig)
@@ -265,6 +289,7 @@ class ShardingArguments:
         problems += _offload_problems(self, options)
         problems += _peer_problems(self, options)
         problems += _distributed_problems(self)
+        problems += _size_problems(self)
         if not problems:
             problems = _unbuilt_problems(options, self.offload)
         if problems:

@@ -214,15 +214,45 @@ class SafetensorsFile:
         self.close()
 
 
-def save_model(model, output_dir) -> dict:
-    """The weights (model.safetensors) and the configuration files `from_pretrained` reads.
-    Returns the weights file's {"bytes", "crc32"}."""
+def save_model(model, output_dir, max_shard_size: int = 5 * 10**9) -> dict:
+    """The weights (model.safetensors, or files of at most `max_shard_size` bytes and their
+    index) and the configuration files `from_pretrained` reads. Returns {file: {"bytes", "crc32"}}
+    of the weights files."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(output_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(output_dir)
-    return save_safetensors(unique_state_dict(model), output_dir / "model.safetensors", {"format": "pt"})
+    return save_sharded(unique_state_dict(model), output_dir, max_shard_size)
+
+
+def save_sharded(tensors: dict, out, limit: int) -> dict:
+    """`out/model.safetensors`, or several files of at most `limit` bytes (a bigger tensor alone)
+    with `model.safetensors.index.json`, the layout `from_pretrained` reads a file at a time.
+    Returns {file name: {"bytes", "crc32"}}."""
+    out = Path(out)
+    groups, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * _itemsize(tensor.dtype)
+        if current and size + nbytes > limit:
+            groups.append(current)
+            current, size = {}, 0
+        current[name] = tensor
+        size += nbytes
+    groups.append(current)
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)  # a previous save with another split
+    if len(groups) == 1:
+        return {"model.safetensors": save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"})}
+    files, weight_map = {}, {}
+    for i, group in enumerate(groups):
+        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        files[filename] = save_safetensors(group, out / filename, {"format": "pt"})
+        weight_map.update({name: filename for name in group})
+    total = sum(t.numel() * _itemsize(t.dtype) for group in groups for t in group.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return files
 
 
 # ---- crash safety ---------------------------------------------------------------------------------

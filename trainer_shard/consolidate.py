@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import MANIFEST, Chunked, SafetensorsFile, save_safetensors
+from .config.load import parse_size as config_parse_size
+from .checkpoint import MANIFEST, Chunked, SafetensorsFile, save_safetensors, save_sharded
 from .errors import CheckpointError
 from .sharding import state_io
 
@@ -39,14 +40,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 CHUNK_NUMEL = 2**22
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
-    if not match:
-        raise CheckpointError(f"--max_shard_size {text!r}: give a size such as 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return int(number * (1024 if "I" in unit else 1000) ** power)
+def parse_size(text) -> int:
+    try:
+        return config_parse_size(text)
+    except ValueError:
+        raise CheckpointError(f"--max_shard_size {text!r}: give a size such as 5GB, 500MB or 2GiB") from None
 
 
 class _ModelFiles:
@@ -96,7 +94,7 @@ def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", o
             raise CheckpointError(f"the optimizer shards hold parameters the model file does not name: {unmatched[:5]}")
         tensors = {name: _source(name, model, sources, target) for name in model.weight_map}
         out.mkdir(parents=True, exist_ok=True)
-        _write_sharded(tensors, out, limit)
+        save_sharded(tensors, out, limit)
         _copy_side_files(checkpoint, out, target)
         if optimizer:
             _write_optimizer(sources, index, out)
@@ -138,33 +136,6 @@ def _scratch(numel: int, dtype=torch.float32) -> torch.Tensor:
     if buffer is None or buffer.numel() < numel:
         buffer = _SCRATCH[dtype] = torch.empty(max(numel, CHUNK_NUMEL), dtype=dtype)
     return buffer[:numel]
-
-
-def _write_sharded(tensors: dict, out: Path, limit: int) -> None:
-    """One file, or several of at most `limit` bytes (a bigger tensor alone) plus the index."""
-    groups, current, size = [], {}, 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * torch.empty((), dtype=tensor.dtype).element_size()
-        if current and size + nbytes > limit:
-            groups.append(current)
-            current, size = {}, 0
-        current[name] = tensor
-        size += nbytes
-    groups.append(current)
-    for stale in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
-        stale.unlink()
-    if len(groups) == 1:
-        save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"})
-        return
-    weight_map = {}
-    for i, group in enumerate(groups):
-        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_safetensors(group, out / filename, {"format": "pt"})
-        weight_map.update({name: filename for name in group})
-    index = {"metadata": {"total_size": sum(t.numel() * torch.empty((), dtype=t.dtype).element_size()
-                                            for g in groups for t in g.values())},
-             "weight_map": weight_map}  # fmt: skip
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _copy_side_files(checkpoint: Path, out: Path, dtype) -> None:

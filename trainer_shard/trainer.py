@@ -56,6 +56,7 @@ from .args import ShardedDDPOption, stage_from_options, world_size_from_env
 from . import comm
 from .checkpoint import STAGING, manifest_problems, publish, save_model, write_manifest
 from .config import apply as config_apply
+from .config.load import parse_size
 from .errors import ArgumentError, CheckpointError, DistributedSetupError
 from .offload import OffloadSpec
 from .offload.engine import per_element_state
@@ -135,6 +136,10 @@ class ShardedTrainerMixin:
             self.model_accepts_loss_kwargs = False
         if self.sharding_stage is not None and self.optimizer is not None:
             self._adopt_sharded_optimizer(self.optimizer)  # the user's own, via optimizers=(...)
+        if getattr(model, "hf_device_map", None):
+            # placed by a device map (offload.dispatch): its hooks move the weights; accelerate
+            # would move a map of one entry ({"": "disk"}) whole, which offloaded weights cannot
+            self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, device_placement=False)
 
     # ---- sharding -----------------------------------------------------------------------------
 
@@ -298,7 +303,7 @@ class ShardedTrainerMixin:
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's save, into `.checkpoint-staging/checkpoint-N`; renamed to `checkpoint-N`
         once every rank has written its files. See [Note: sharded checkpoints]. Collective."""
-        self._model_file_info = None
+        self._model_files = None
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING, name), os.path.join(run_dir, name)
@@ -329,8 +334,7 @@ class ShardedTrainerMixin:
         if index.is_file():
             for name, info in json.loads(index.read_text())["files"].items():
                 known[f"{state_io.FOLDER}/{name}"] = info
-        if getattr(self, "_model_file_info", None) is not None:
-            known["model.safetensors"] = self._model_file_info
+        known.update(getattr(self, "_model_files", None) or {})
         return known
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -345,16 +349,17 @@ class ShardedTrainerMixin:
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save(self, output_dir=None, state_dict=None) -> None:
-        """Sharded runs: write the weights from the flat buffer's views, without the full copy
-        `save_pretrained` makes of parameters that share storage (see checkpoint.py)."""
+        """The weights tensor by tensor, without the full copy `save_pretrained` makes of
+        parameters that share storage (the flat buffer's views; see checkpoint.py), split into
+        files of at most --max_shard_size."""
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        if self.sharding_stage is None or state_dict is not None or not isinstance(model, PreTrainedModel):
+        if state_dict is not None or not isinstance(model, PreTrainedModel):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self.args.should_save:
             return
         logger.info("Saving model checkpoint to %s", output_dir)
-        self._model_file_info = save_model(model, output_dir)
+        self._model_files = save_model(model, output_dir, parse_size(getattr(self.args, "max_shard_size", "5GB")))
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -10,6 +10,7 @@ every explicit value that contradicts them, reported with both values.
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class OffloadConfig:
     gradient_accumulation_steps: int | None
     train_batch_size: int | None
     raw: dict
+    # the "inference" section, resolved (device_map, max_memory in bytes with accelerate's
+    # device keys, offload_folder, dtype, no_split_module_classes, offload_buffers), or None
+    inference: dict | None = None
 
 
 def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
@@ -53,10 +57,15 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
     bad = {path for path, _ in problems}
     combination = []
     _cross_field(tree, world_size, combination)
+    if isinstance(data, dict) and "inference" in data:
+        _inference_rules(tree["inference"], world_size, combination)
     # a rule over a key that is already wrong would only repeat it (its default stood in)
     problems += [(path, message) for path, message in combination if not _under(path, bad)]
     if not problems and training_args is not None:
         _against_training_args(tree, training_args, world_size, problems)
+        if "inference" in data and getattr(training_args, "do_train", False):
+            problems.append(("$.inference", "applies to evaluation and prediction without --do_train (the model is "
+                             "loaded across devices and disk); train without it, then evaluate with it"))  # fmt: skip
     if problems:
         raise ConfigError(source, problems)
     config = _build(tree, data)
@@ -121,7 +130,7 @@ def _check_value(value, spec: Key, path: str, problems: list):
     if spec.kind == "object":
         return _check_object(value, spec.children, path, problems)
     checker = {"bool": _as_bool, "int": _as_int, "float": _as_float, "str": _as_str, "choice": _as_choice,
-               "floats": _as_floats}[spec.kind]  # fmt: skip
+               "floats": _as_floats, "strs": _as_strs, "memory": _as_memory, "device_map": _as_device_map}[spec.kind]  # fmt: skip
     try:
         checked = checker(value, spec)
     except ValueError as e:
@@ -189,6 +198,74 @@ def _as_floats(value, spec):
     if not isinstance(value, list) or len(value) != spec.length:
         raise ValueError(f"must be a list of {spec.length} numbers, got {_describe(value)}")
     return [_number(v, spec, integer=False) for v in value]
+
+
+def _as_strs(value, spec):
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise ValueError(f"must be a non-empty list of non-empty strings, got {_describe(value)}")
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text) -> int:
+    """Bytes from 5GB, 500MB, 2GiB (powers of 1000 and 1024) or a plain number of bytes."""
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"must be a size such as 2GiB, 500MB or a number of bytes, got {_describe(text)}")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(number * (1024 if "I" in unit else 1000) ** power)
+
+
+def _device(key, path_hint: str):
+    """accelerate's name for a device: "cpu", "disk", "mps", or a GPU index (from 0, "0", "cuda:0")."""
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str):
+        text = key.removeprefix("cuda:")
+        if text.isdigit():
+            return int(text)
+        if key in ("cpu", "disk", "mps"):
+            return key
+    raise ValueError(f"{path_hint} {_describe(key)} is not a device: use cpu, disk, mps or a GPU index (0, cuda:0)")
+
+
+def _as_memory(value, spec):
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f'must be an object of sizes per device, e.g. {{"cpu": "2GiB"}}, got {_describe(value)}')
+    return {_device(k, "key"): parse_size(v) for k, v in value.items()}
+
+
+def _as_device_map(value, spec):
+    if isinstance(value, str):
+        if value in DEVICE_MAP_STRATEGIES:
+            return value
+        raise ValueError(f"must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or an object "
+                         f'{{"module.name": device}}, got {_describe(value)}')  # fmt: skip
+    if isinstance(value, dict) and value:
+        return {str(k): _device(v, f"module {k!r}: value") for k, v in value.items()}
+    raise ValueError(f'must be a strategy (auto...) or an object {{"module.name": device}}, got {_describe(value)}')
+
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _inference_rules(inference: dict, world_size: int, problems: list) -> None:
+    device_map = inference["device_map"]
+    to_disk = isinstance(device_map, dict) and "disk" in device_map.values()
+    if to_disk and not inference["offload_folder"]:
+        problems.append(("$.inference.offload_folder", "the device_map sends modules to disk: name the folder for "
+                         "their weights"))  # fmt: skip
+    if isinstance(device_map, dict) and inference["max_memory"] is not None:
+        problems.append(("$.inference.max_memory", "is used to plan a device map; an explicit device_map is already "
+                         "planned: remove one of them"))  # fmt: skip
+    if world_size > 1:
+        problems.append(("$.inference", f"loads one model across this process's devices; run it on one process, not "
+                         f"{world_size}"))  # fmt: skip
 
 
 # ---- rules across keys ------------------------------------------------------------------------
@@ -335,4 +412,5 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         micro_batch_size=concrete(tree["train_micro_batch_size_per_gpu"]),
         gradient_accumulation_steps=concrete(tree["gradient_accumulation_steps"]),
         train_batch_size=concrete(tree["train_batch_size"]), raw=raw,
+        inference=dict(tree["inference"]) if isinstance(raw, dict) and "inference" in raw else None,
     )  # fmt: skip

@@ -11,7 +11,7 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # bool | int | float | str | choice | object | floats
+    kind: str  # bool | int | float | str | choice | object | floats | strs | memory | device_map
     help: str
     default: object = None
     auto: bool = False  # "auto" takes the TrainingArguments' value
@@ -89,6 +89,20 @@ DATA_TYPES = {
                             "training dtype with offload", None, choices=("fp32", "bf16", "fp16")),
 }
 
+INFERENCE = {
+    "device_map": Key("device_map", "where each module goes for evaluation and prediction: auto, balanced, "
+                      "balanced_low_0, sequential (planned from the model's shapes under max_memory), or an explicit "
+                      '{"module.name": "cpu" | "disk" | GPU index} map', "auto"),
+    "max_memory": Key("memory", 'most bytes per device, e.g. {"cpu": "2GiB", "0": "20GiB"}; what does not fit goes to '
+                      "the next device, then to disk (default: what each device has free)"),
+    "offload_folder": Key("str", "folder for the weights offloaded to disk (needed when any go there)"),
+    "dtype": Key("choice", "dtype to load the weights in (auto: the checkpoint's)", "auto",
+                 choices=("auto", "float32", "bfloat16", "float16")),
+    "no_split_module_classes": Key("strs", "module classes never split across devices (default: the model's own "
+                                   "_no_split_modules, T5Block for T5)"),
+    "offload_buffers": Key("bool", "offload buffers with the parameters of offloaded modules", False),
+}
+
 TOP = {
     "zero_optimization": Key("object", "sharding and offload", children=ZERO_OPTIMIZATION),
     "optimizer": Key("object", "the optimizer (omit to keep the Trainer's --optim)", children=OPTIMIZER),
@@ -100,4 +114,6 @@ TOP = {
     "train_micro_batch_size_per_gpu": Key("int", "= --per_device_train_batch_size", auto=True, minimum=1),
     "gradient_accumulation_steps": Key("int", "= --gradient_accumulation_steps", auto=True, minimum=1),
     "train_batch_size": Key("int", "= micro batch x accumulation x world size", auto=True, minimum=1),
+    "inference": Key("object", "big-model loading for --do_eval/--do_predict without --do_train and for "
+                     "scripts/generate.py: device map, memory caps, disk offload of parameters", children=INFERENCE),
 }
