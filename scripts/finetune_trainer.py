@@ -130,7 +130,8 @@ def load_model(model_args, config, dtype, offload_config=None, source="--offload
 def load_dtype(training_args):
     """Sharded or offloaded mixed precision keeps 16-bit parameters (fp32 masters live in the
     optimizer's shards): load them in 16 bits, never holding an fp32 copy of a big model."""
-    if training_args.sharding_enabled and (training_args.bf16 or training_args.fp16):
+    explicit = training_args.sharding_enabled and "auto" not in training_args.sharded_ddp  # auto may choose DDP
+    if explicit and (training_args.bf16 or training_args.fp16):
         return torch.bfloat16 if training_args.bf16 else torch.float16
     return "auto"
 

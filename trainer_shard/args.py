@@ -31,12 +31,14 @@ class ShardedDDPOption(str, enum.Enum):
     ZERO_DP_3 = "zero_dp_3"  # ZeRO-3: parameters partitioned too
     OFFLOAD = "offload"  # CPU offload with the default offload config
     AUTO_WRAP = "auto_wrap"  # wrap submodules for parameter sharding (ZeRO-3 only)
+    AUTO = "auto"  # the least costly of DDP, simple, zero_dp_2 (+ cpu / disk offload) that fits (planner.py)
 
 
-STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3)
+STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3, ShardedDDPOption.AUTO)
 
 # See [Note: unbuilt options].
-BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.OFFLOAD})
+BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.OFFLOAD,
+                           ShardedDDPOption.AUTO})  # fmt: skip
 
 _NOT_BUILT = {
     ShardedDDPOption.SIMPLE: "the ZeRO-1 sharded optimizer",
@@ -78,6 +80,8 @@ def _combination_problems(options) -> list:
     if len(strategies) > 1:
         names = " and ".join(o.value for o in strategies)
         problems.append(f"--sharded_ddp: {names} are different sharding strategies; pick one of them")
+    if ShardedDDPOption.OFFLOAD in options and ShardedDDPOption.AUTO in options:
+        problems.append("--sharded_ddp: 'auto' chooses the offload itself; drop 'offload'")
     if ShardedDDPOption.OFFLOAD in options and not strategies:
         problems.append(
             "--sharded_ddp: 'offload' needs a strategy to offload from, e.g. --sharded_ddp 'zero_dp_2 offload'; "
@@ -113,6 +117,15 @@ def _offload_problems(args, options) -> list:
         loaded = load_config(config, training_args=args, world_size=world_size_from_env())
     except ConfigError as e:
         return [f"--offload {path}: {where}: {message}" for where, message in e.problems]
+    auto = ShardedDDPOption.AUTO in options
+    if "max_memory" in loaded.raw and not auto:
+        return [f"--offload {path}: max_memory is the per-rank budget of --sharded_ddp auto and means nothing "
+                "without it; remove it or pass --sharded_ddp auto"]  # fmt: skip
+    if auto and set(loaded.raw) - {"max_memory", "bf16", "fp16", "gradient_clipping", "train_micro_batch_size_per_gpu",
+                                   "gradient_accumulation_steps", "train_batch_size"}:  # fmt: skip
+        extra = sorted(set(loaded.raw) & {"zero_optimization", "optimizer", "scheduler", "data_types", "inference"})
+        return [f"--offload {path}: {', '.join(extra)}: --sharded_ddp auto chooses the stage and the offload itself; "
+                "give it a config with max_memory (and precision, batch keys) only, or name a strategy"]  # fmt: skip
     stage = stage_from_options(options)
     if stage is not None and loaded.stage not in (0, stage):
         return [f"--offload {path}: zero_optimization.stage is {loaded.stage} but --sharded_ddp asks for stage {stage}; "

@@ -4,6 +4,7 @@
     trainer-shard build-demo-model --data_dir data/demo_en_ro --out_dir data/demo_t5
     trainer-shard validate-config configs/offload_cpu.json [--world_size 2]
     trainer-shard consolidate output/checkpoint-500 t5-final [--dtype bfloat16] [--max_shard_size 2GB]
+    trainer-shard estimate --model t5-3b --world_size 2 --precision bf16 --batch_size 8 --max_memory 24GiB
 """
 
 import importlib
@@ -14,6 +15,7 @@ COMMANDS = {
     "build-demo-model": ("trainer_shard.demo", "build_demo_model_main", "build the small T5 and its BPE tokenizer"),
     "validate-config": ("trainer_shard.cli", "validate_config_main", "check an --offload JSON config, every problem at once"),
     "consolidate": ("trainer_shard.consolidate", "consolidate_main", "a sharded checkpoint -> a plain model folder"),
+    "estimate": ("trainer_shard.planner", "estimate_main", "memory per rank of every strategy, before training"),
 }
 
 

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -152,6 +153,8 @@ class ShardedTrainerMixin:
         )
         if ShardedDDPOption.OFFLOAD in options and self.offload_spec is None:
             self.offload_spec = OffloadSpec("cpu")  # --sharded_ddp "zero_dp_2 offload": the defaults
+        if ShardedDDPOption.AUTO in options and self.train_dataset is not None:  # nothing to choose for evaluation
+            self._sharding_stage, self.offload_spec = self._choose_strategy()
         config_optimizer = config_apply.optimizer_cls_and_kwargs(self.offload_config, self.args)
         if config_optimizer is not None:
             if self.optimizer_cls_and_kwargs is not None or self.optimizer is not None:
@@ -162,6 +165,42 @@ class ShardedTrainerMixin:
             self.optimizer_cls_and_kwargs = config_optimizer
         if self.offload_spec is not None and self.offload_spec.device == "nvme":
             self._check_disk_room()
+
+    def _choose_strategy(self) -> tuple:
+        """--sharded_ddp auto: rank 0 estimates every strategy (planner.py: exact state bytes, a
+        measured activation probe) and picks the least costly one that fits the memory per rank
+        (the config's max_memory, else what it detects); every rank takes its choice. Collective."""
+        from . import planner
+
+        args, rank = self.args, self.args.process_index
+        configured = getattr(self.offload_config, "max_memory", None) or {}
+        device = args.device
+        budget = configured.get("cpu" if device.type == "cpu" else device.index or 0) or planner.detect_budget(device)
+        decision = None
+        if rank == 0:
+            model = self.accelerator.unwrap_model(self.model)
+            source, target = planner.dataset_lengths(self.train_dataset) if self.train_dataset is not None else (128, 128)
+            precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+            with tempfile.TemporaryDirectory() as folder:
+                model.config.save_pretrained(folder)
+                probes = planner.measure_probes(folder, precision, source, target, device.type)
+            rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
+                                    batch_size=args.per_device_train_batch_size, source_length=source,
+                                    target_length=target, device=device.type, probes=probes, max_memory=budget)  # fmt: skip
+            choice = planner.choose(rows, budget)
+            decision = (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
+        decision = comm.all_gather_objects(decision)[0]
+        chosen, why = decision
+        if chosen is None:
+            raise ArgumentError(f"--sharded_ddp auto: {why}; lower --per_device_train_batch_size or the sequence "
+                                "lengths, or add ranks")  # fmt: skip
+        if rank == 0:
+            print(f"--sharded_ddp auto: {why}", flush=True)
+        strategy, offload = chosen
+        stage = {"ddp": None, "simple": 1, "zero_dp_2": 2}[strategy]
+        spec = {"none": None, "cpu": OffloadSpec("cpu"),
+                "disk": OffloadSpec("nvme", nvme_path=os.path.join(args.output_dir, "offload_store"))}[offload]  # fmt: skip
+        return stage, spec
 
     def _check_disk_room(self) -> None:
         """Before training: room on disk for this rank's shard (master + the optimizer's

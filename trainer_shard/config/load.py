@@ -46,6 +46,7 @@ class OffloadConfig:
     # the "inference" section, resolved (device_map, max_memory in bytes with accelerate's
     # device keys, offload_folder, dtype, no_split_module_classes, offload_buffers), or None
     inference: dict | None = None
+    max_memory: dict | None = None  # the budget of --sharded_ddp auto, {device: bytes}
 
 
 def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
@@ -413,4 +414,5 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         gradient_accumulation_steps=concrete(tree["gradient_accumulation_steps"]),
         train_batch_size=concrete(tree["train_batch_size"]), raw=raw,
         inference=dict(tree["inference"]) if isinstance(raw, dict) and "inference" in raw else None,
+        max_memory=tree["max_memory"],
     )  # fmt: skip

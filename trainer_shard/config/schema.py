@@ -114,6 +114,8 @@ TOP = {
     "train_micro_batch_size_per_gpu": Key("int", "= --per_device_train_batch_size", auto=True, minimum=1),
     "gradient_accumulation_steps": Key("int", "= --gradient_accumulation_steps", auto=True, minimum=1),
     "train_batch_size": Key("int", "= micro batch x accumulation x world size", auto=True, minimum=1),
+    "max_memory": Key("memory", "per-rank memory budget --sharded_ddp auto plans for, e.g. {\"cpu\": \"8GiB\"} "
+                      "or {\"0\": \"24GiB\"} (default: the GPU's memory, or the free RAM over the local ranks)"),
     "inference": Key("object", "big-model loading for --do_eval/--do_predict without --do_train and for "
                      "scripts/generate.py: device map, memory caps, disk offload of parameters", children=INFERENCE),
 }

@@ -1,0 +1,374 @@
+"""Will it fit? Memory per rank for every strategy, before training (`trainer-shard estimate`).
+
+    trainer-shard estimate --model t5-3b --world_size 2 --precision bf16 --batch_size 8 \
+        --source_length 64 --target_length 64 --max_memory 24GiB
+
+Parameter, gradient and optimizer bytes are exact arithmetic on the real parameter shapes (the
+model is built on the meta device: no weights needed) and on what each strategy keeps, as
+trainer_shard implements it:
+
+| strategy | parameters | gradients | optimizer (AdamW: master + 2 moments, fp32) |
+|---|---|---|---|
+| DDP (Trainer) | 4 A (fp32; `--bf16` autocasts fp32 weights) | 4 P `.grad` + 4 P DDP buckets | 8 P |
+| `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N | (4 if w = 2) P/N master + 8 P/N |
+| `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` |
+| + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk |
+
+A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
+fp32 masters in the shards) else 4. Activations and the runtime come from a short measured
+probe: in a fresh process that imports what training imports, a forward and backward pass at
+batch size 1 and 4 on the actual device (the rise of peak RSS, or of CUDA's peak allocation,
+above the model and its gradients), extrapolated linearly to the batch size; without a probe
+(`--no_probe`), from the bytes autograd saves for backward on the meta device. The tests check
+the predictions against the measured peaks of real runs.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+
+STRATEGIES = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("simple", "cpu"), ("zero_dp_2", "cpu"),
+              ("simple", "disk"), ("zero_dp_2", "disk")]  # fmt: skip
+# --sharded_ddp auto tries these in order: less communication and I/O first
+AUTO_ORDER = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_2", "cpu"), ("zero_dp_2", "disk")]
+NAMED = {  # T5 architectures, built on the meta device: no download, no weights
+    "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
+    "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
+    "t5-large": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
+    "t5-3b": dict(d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
+    "t5-11b": dict(d_model=1024, d_ff=65536, num_layers=24, num_heads=128, d_kv=128),
+}
+BUCKET_NUMEL = 2**23
+STATE_TENSORS = 2  # AdamW's exp_avg and exp_avg_sq
+DISK_BUFFERS = 4 * 2**22 * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers (buffer_count 4)
+
+
+@dataclass
+class Probe:
+    runtime: int  # bytes of the process before the model: interpreter, torch, transformers...
+    act_base: int  # activation bytes at batch size 1
+    act_per_sample: int  # and for each sample more
+    measured: bool
+
+    def activations(self, batch: int) -> int:
+        return self.act_base + (batch - 1) * self.act_per_sample
+
+
+def model_config(spec: str):
+    """A local model folder, a config.json, or a named architecture (t5-small ... t5-11b)."""
+    from transformers import AutoConfig, T5Config
+
+    if spec in NAMED:
+        return T5Config(vocab_size=32128, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, **NAMED[spec])
+    return AutoConfig.from_pretrained(spec)
+
+
+def count_parameters(config) -> tuple:
+    """(all, trainable) parameter counts, tied ones once, from the meta-device model."""
+    from .offload.dispatch import empty_model
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = empty_model(AutoModelForSeq2SeqLM, config)
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: int, precision: str) -> dict:
+    """{"device", "cpu", "disk"}: bytes a rank keeps for parameters, gradients and optimizer
+    state under `strategy` (ddp, simple, zero_dp_2) and `offload` (None, cpu, disk). Pure."""
+    A, P, N = total, trainable, world
+    if strategy == "ddp":
+        if offload:
+            raise ValueError("DDP has no offload: offload shards with simple or zero_dp_2")
+        return {"device": 4 * A + 4 * P + 4 * P + 4 * STATE_TENSORS * P, "cpu": 0, "disk": 0}
+    w = 2 if precision in ("bf16", "fp16") else 4
+    shard = -(-P // N)
+    grad_shard = w * shard if offload else 4 * shard
+    if strategy == "simple":
+        grads = w * P + w * P + grad_shard  # .grad, DDP's bucket copies, the shard
+    elif strategy == "zero_dp_2":
+        grads = grad_shard + 3 * min(BUCKET_NUMEL, P) * w  # the shard, reduce buckets in flight
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    optimizer = (4 if w == 2 or offload else 0) * shard + 4 * STATE_TENSORS * shard  # offload keeps a master always
+    device = w * A + grads + (0 if offload else optimizer)
+    if offload == "disk":
+        return {"device": device, "cpu": DISK_BUFFERS, "disk": optimizer}
+    return {"device": device, "cpu": optimizer if offload else 0, "disk": 0}
+
+
+def probe_modes(precision: str) -> dict:
+    """The probe each strategy needs: DDP trains fp32 weights (autocast for --bf16/--fp16), the
+    sharded strategies 16-bit parameters."""
+    if precision == "fp32":
+        return {"ddp": "fp32", "sharded": "fp32"}
+    return {"ddp": f"autocast-{precision}", "sharded": precision}
+
+
+def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
+             device: str = "cpu", probes: dict | None = None, max_memory: int | None = None) -> list:
+    """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, fits.
+    `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device."""
+    total, trainable = count_parameters(config)
+    if probes is None:
+        probes = dict.fromkeys(("ddp", "sharded"), meta_probe(config, source_length, target_length))
+    rows = []
+    for strategy, offload in STRATEGIES:
+        probe = probes["ddp" if strategy == "ddp" else "sharded"]
+        activations = probe.activations(batch_size)
+        parts = strategy_bytes(strategy, offload, total, trainable, world_size, precision)
+        if device == "cpu":  # one memory: the "device" is CPU RAM
+            per_rank = probe.runtime + parts["device"] + parts["cpu"] + activations
+            node = world_size * per_rank
+        else:
+            per_rank = parts["device"] + activations
+            node = world_size * (probe.runtime + parts["cpu"])
+        rows.append({"strategy": strategy, "offload": offload or "none", "per_rank": per_rank, "cpu_per_node": node,
+                     "disk_per_node": world_size * parts["disk"],
+                     "fits": None if max_memory is None else per_rank <= max_memory})  # fmt: skip
+    return rows
+
+
+# ---- --sharded_ddp auto --------------------------------------------------------------------------
+
+
+def choose(rows: list, budget: int):
+    """The first strategy of `AUTO_ORDER` whose estimate fits `budget` per rank, or None."""
+    by_name = {(r["strategy"], r["offload"]): r for r in rows}
+    for strategy, offload in AUTO_ORDER:
+        row = by_name[(strategy, offload or "none")]
+        if row["per_rank"] <= budget:
+            return row
+    return None
+
+
+def explain(rows: list, choice, budget: int) -> str:
+    gib = 2**30
+    tried = "; ".join(f"{s}{'' if o is None else ' + ' + o + ' offload'} {r['per_rank'] / gib:.2f}"
+                      for (s, o), r in ((k, next(x for x in rows if (x['strategy'], x['offload']) == (k[0], k[1] or 'none')))
+                                        for k in AUTO_ORDER))  # fmt: skip
+    if choice is None:
+        return f"nothing fits {budget / gib:.2f} GiB per rank (GiB per rank: {tried})"
+    name = choice["strategy"] + ("" if choice["offload"] == "none" else f" + {choice['offload']} offload")
+    return (f"chose {name}: the least costly strategy that fits {budget / gib:.2f} GiB per rank "
+            f"(estimates, GiB per rank: {tried})")  # fmt: skip
+
+
+def detect_budget(device) -> int:
+    """Memory per rank: the GPU's total, or this machine's available RAM over its local ranks."""
+    import os
+
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[1]
+    return _available() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def dataset_lengths(dataset, default: int = 128) -> tuple:
+    """The longest tokenized source and target in a training set (the collator pads a batch to them)."""
+    source = target = 0
+    try:
+        for i in range(min(len(dataset), 200_000)):
+            item = dataset[i]
+            source, target = max(source, len(item["input_ids"])), max(target, len(item["labels"]))
+    except (KeyError, TypeError, IndexError):
+        return default, default
+    return source or default, target or default
+
+
+# ---- the probe --------------------------------------------------------------------------------
+
+
+def measure_probes(model: str, precision: str, source_length: int, target_length: int, device: str = "cpu") -> dict:
+    """{"ddp": Probe, "sharded": Probe} for `precision` (one probe when they are the same)."""
+    modes = probe_modes(precision)
+    done = {mode: measure_probe(model, mode, source_length, target_length, device) for mode in set(modes.values())}
+    return {kind: done[mode] for kind, mode in modes.items()}
+
+
+def measure_probe(model: str, precision: str, source_length: int, target_length: int, device: str = "cpu") -> Probe:
+    """Run the probe in a fresh process (its runtime is what training's will be). `precision`:
+    fp32, bf16 / fp16 (16-bit parameters), autocast-bf16 / autocast-fp16 (fp32 weights)."""
+    cmd = [sys.executable, "-m", "trainer_shard.planner", "--_probe", model, precision, str(source_length),
+           str(target_length), device]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"the memory probe failed:\n{proc.stderr[-2000:]}")
+    return Probe(**json.loads(proc.stdout.strip().splitlines()[-1]), measured=True)
+
+
+SPAN = 3  # the probe runs batch 1 and 1 + SPAN: a wider step than 1 -> 2 keeps the allocator's noise small
+LAYER_KEYS = ("num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers", "num_hidden_layers")
+
+
+def _probe_main(model: str, precision: str, source_length: int, target_length: int, device: str) -> None:
+    """Activation bytes at batch 1 and 2 of the whole model; of a model too big to probe whole
+    (its fp32 weights, gradients and activations over half the free memory), of the model cut
+    to 1 and 2 layers, extrapolated to its depth (each layer adds the same activations)."""
+    import contextlib
+    import copy
+
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer  # noqa: F401  (what training imports)
+
+    from . import finetune, metrics  # noqa: F401
+
+    runtime = _rss()
+    config = model_config(model)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.removeprefix("autocast-"))
+    autocast = torch.autocast(device, dtype=dtype) if precision.startswith("autocast") else contextlib.nullcontext()
+    keys = [k for k in LAYER_KEYS if isinstance(getattr(config, k, None), int) and getattr(config, k) > 0]
+    depth = max((getattr(config, k) for k in keys), default=1)
+
+    def measure(layers):
+        cut = copy.deepcopy(config)
+        for key in keys:
+            setattr(cut, key, min(layers, getattr(config, key)))
+        net = AutoModelForSeq2SeqLM.from_config(cut).to(device)
+        if dtype is not None and not precision.startswith("autocast"):
+            net.to(dtype)  # the sharded runs' 16-bit parameters
+        net.train()
+
+        def step(batch: int) -> int:
+            ids = torch.randint(2, config.vocab_size, (batch, source_length), device=device)
+            labels = torch.randint(2, config.vocab_size, (batch, target_length), device=device)
+            before = _reset_peak(device)
+            with autocast:
+                loss = net(input_ids=ids, labels=labels).loss
+            loss.backward()
+            return _peak(device) - before
+
+        step(1)  # gradients allocated: from here the rise is activations and temporaries
+        result = step(1), step(1 + SPAN)
+        del net
+        return result
+
+    total, _ = count_parameters(config)
+    if keys and depth > 2 and 12 * total > _available() // 2:
+        (a11, a12), (a21, a22) = measure(1), measure(2)
+        per_layer1, per_layer2 = a21 - a11, a22 - a12
+        a1, a2 = a11 + (depth - 1) * per_layer1, a12 + (depth - 1) * per_layer2
+    else:
+        a1, a2 = measure(depth)
+    print(json.dumps({"runtime": runtime, "act_base": a1, "act_per_sample": max(a2 - a1, 0) // SPAN}))
+
+
+def _available() -> int:
+    """MemAvailable of this machine, bytes."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+def _reset_peak(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak RSS
+    return _rss()
+
+
+def _peak(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.max_memory_allocated()
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def meta_probe(config, source_length: int, target_length: int) -> Probe:
+    """Without running anything: the bytes autograd saves for backward, on the meta device, at
+    batch 1 and 2; the runtime taken as this process's own size."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM
+
+    from .offload.dispatch import empty_model
+
+    model = empty_model(AutoModelForSeq2SeqLM, config).to("meta")
+    model.train()
+
+    def saved(batch: int) -> int:
+        total = [0]
+
+        def pack(t):
+            if not (isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)):
+                total[0] += t.numel() * t.element_size()  # activations, not the weights backward needs
+            return t
+
+        ids = torch.zeros(batch, source_length, dtype=torch.long, device="meta")
+        labels = torch.zeros(batch, target_length, dtype=torch.long, device="meta")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=labels)
+        return total[0]
+
+    a1, a2 = saved(1), saved(2)
+    return Probe(runtime=_rss(), act_base=a1, act_per_sample=max(a2 - a1, 0), measured=False)
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+
+def format_table(rows: list, max_memory: int | None) -> str:
+    gib = 2**30
+    lines = ["| strategy | offload | per rank (GiB) | CPU RAM per node (GiB) | disk per node (GiB) | fits |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
+        lines.append(f"| {r['strategy']} | {r['offload']} | {r['per_rank'] / gib:.2f} | {r['cpu_per_node'] / gib:.2f} | "
+                     f"{r['disk_per_node'] / gib:.2f} | {fits} |")  # fmt: skip
+    if max_memory is not None:
+        lines.append(f"\nfits: per rank at most {max_memory / gib:.2f} GiB")
+    return "\n".join(lines)
+
+
+def estimate_main(argv=None) -> int:
+    from .config.load import parse_size
+
+    parser = argparse.ArgumentParser(prog="trainer-shard estimate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help=f"a model folder, a config.json, or one of {', '.join(NAMED)}")
+    parser.add_argument("--world_size", type=int, default=1)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--batch_size", type=int, default=8, help="per rank")
+    parser.add_argument("--source_length", type=int, default=128)
+    parser.add_argument("--target_length", type=int, default=128)
+    parser.add_argument("--max_memory", default=None, help="per-rank budget on the compute device, e.g. 24GiB")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the probe runs and training computes")
+    parser.add_argument("--no_probe", action="store_true", help="estimate activations on the meta device instead")
+    args = parser.parse_args(argv)
+    try:
+        config = model_config(args.model)
+        budget = parse_size(args.max_memory) if args.max_memory else None
+    except (OSError, ValueError) as e:
+        print(f"trainer-shard estimate: {e}", file=sys.stderr)
+        return 2
+    if args.world_size < 1 or args.batch_size < 1:
+        print("trainer-shard estimate: --world_size and --batch_size must be at least 1", file=sys.stderr)
+        return 2
+    probes = None if args.no_probe else measure_probes(args.model, args.precision, args.source_length,
+                                                       args.target_length, args.device)  # fmt: skip
+    rows = estimate(config, world_size=args.world_size, precision=args.precision, batch_size=args.batch_size,
+                    source_length=args.source_length, target_length=args.target_length, device=args.device,
+                    probes=probes, max_memory=budget)  # fmt: skip
+    total, trainable = count_parameters(config)
+    print(f"{args.model}: {total:,} parameters ({trainable:,} trainable), world size {args.world_size}, "
+          f"{args.precision}, batch {args.batch_size} x {args.source_length}/{args.target_length} tokens per rank; "
+          f"activations {'measured' if probes else 'estimated on the meta device'}\n")  # fmt: skip
+    print(format_table(rows, budget))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_probe":
+        _probe_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        sys.exit(estimate_main())
