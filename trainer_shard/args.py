@@ -283,7 +283,8 @@ class ShardingArguments:
         metadata={
             "help": "Sharded data parallel, space-separated options: 'simple' (ZeRO-1: optimizer state sharded), "
             "'zero_dp_2' (ZeRO-2: gradients sharded too), 'zero_dp_3' (parameters sharded too), 'offload' "
-            "(CPU offload, with a strategy), 'auto_wrap' (with zero_dp_3). Example: --sharded_ddp 'zero_dp_2 offload'."
+            "(CPU offload, with a strategy), 'auto_wrap' (with zero_dp_3), 'auto' (the least costly strategy that "
+            "fits the memory per rank, see trainer-shard estimate). Example: --sharded_ddp 'zero_dp_2 offload'."
         },
     )
     offload: str | None = field(
