@@ -78,6 +78,12 @@ def test_estimate_command_prints_every_strategy(tiny_model):
     bad = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--max_memory",
                           "lots"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert bad.returncode == 2 and "must be a size" in bad.stderr
+    import torch
+
+    if not torch.cuda.is_available():
+        gpu = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-small", "--device",
+                              "cuda"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        assert gpu.returncode == 2 and "no CUDA device" in gpu.stderr
 
 
 # ---- predictions against measured peaks -----------------------------------------------------------

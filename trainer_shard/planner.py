@@ -351,6 +351,13 @@ def estimate_main(argv=None) -> int:
     except (OSError, ValueError) as e:
         print(f"trainer-shard estimate: {e}", file=sys.stderr)
         return 2
+    if args.device.startswith("cuda") and not args.no_probe:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("trainer-shard estimate: --device cuda, but this machine has no CUDA device: run the probe where "
+                  "training will run, or pass --no_probe", file=sys.stderr)  # fmt: skip
+            return 2
     if args.world_size < 1 or args.batch_size < 1:
         print("trainer-shard estimate: --world_size and --batch_size must be at least 1", file=sys.stderr)
         return 2
