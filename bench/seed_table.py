@@ -57,12 +57,6 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_EVALUATE_OFFLINE="1", TOKENIZERS_P
 PEAK = ROOT / "tests" / "helpers" / "peak_rss.py"
 
 
-def parse_size(text: str) -> int:
-    from trainer_shard.config.load import parse_size as parse
-
-    return parse(text)
-
-
 def launch(row: str, out: Path, flags: list, timeout: int) -> tuple:
     """One 2-rank run of finetune_trainer.py through the peak-RSS helper: (ok, seconds, peak)."""
     for old in out.glob("peak_rss_rank*.json"):
@@ -196,6 +190,8 @@ def main() -> None:
     ensure_model()
     for name, config in DS_CONFIGS.items():
         (WORK / name).write_text(json.dumps(config, indent=1))
+    from trainer_shard.config.load import parse_size
+
     budget = parse_size(args.budget)
     global CUDA
     import torch

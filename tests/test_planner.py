@@ -42,7 +42,7 @@ def test_state_bytes_per_strategy():
 
 
 def test_auto_takes_the_least_costly_strategy_that_fits():
-    probe = planner.Probe(runtime=0, act_base=0, act_per_sample=0, measured=True)
+    probe = planner.Probe(runtime=0, act_base=0, act_per_sample=0)
     rows = planner.estimate(planner.model_config("t5-small"), world_size=2, precision="fp32", batch_size=8,
                             source_length=32, target_length=32, probes={"ddp": probe, "sharded": probe})  # fmt: skip
     per_rank = {(r["strategy"], r["offload"]): r["per_rank"] for r in rows}

@@ -50,7 +50,6 @@ class Probe:
     runtime: int  # bytes of the process before the model: interpreter, torch, transformers...
     act_base: int  # activation bytes at batch size 1
     act_per_sample: int  # and for each sample more
-    measured: bool
 
     def activations(self, batch: int) -> int:
         return self.act_base + (batch - 1) * self.act_per_sample
@@ -197,7 +196,7 @@ def measure_probe(model: str, precision: str, source_length: int, target_length:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"the memory probe failed:\n{proc.stderr[-2000:]}")
-    return Probe(**json.loads(proc.stdout.strip().splitlines()[-1]), measured=True)
+    return Probe(**json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 SPAN = 3  # the probe runs batch 1 and 1 + SPAN: a wider step than 1 -> 2 keeps the allocator's noise small
@@ -313,7 +312,7 @@ def meta_probe(config, source_length: int, target_length: int) -> Probe:
         return total[0]
 
     a1, a2 = saved(1), saved(2)
-    return Probe(runtime=_rss(), act_base=a1, act_per_sample=max(a2 - a1, 0), measured=False)
+    return Probe(runtime=_rss(), act_base=a1, act_per_sample=max(a2 - a1, 0))
 
 
 # ---- the command --------------------------------------------------------------------------------

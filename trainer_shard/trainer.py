@@ -29,7 +29,6 @@ On one process, offload runs the ZeRO-2 path on a world of one.
 
 import functools
 import inspect
-import json
 import logging
 import os
 import shutil
@@ -302,7 +301,8 @@ class ShardedTrainerMixin:
         if self.sharding_stage is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         model = self.accelerator.unwrap_model(self.model)
-        state_io.save_shards(self.sharded_optimizer, Path(output_dir) / state_io.FOLDER, state_io.param_names(model))
+        files = state_io.save_shards(self.sharded_optimizer, Path(output_dir) / state_io.FOLDER, state_io.param_names(model))
+        self._shard_files = {f"{state_io.FOLDER}/{name}": info for name, info in files.items()}
         if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings(record=True) as caught:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -342,7 +342,7 @@ class ShardedTrainerMixin:
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's save, into `.checkpoint-staging/checkpoint-N`; renamed to `checkpoint-N`
         once every rank has written its files. See [Note: sharded checkpoints]. Collective."""
-        self._model_files = None
+        self._model_files = self._shard_files = None
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING, name), os.path.join(run_dir, name)
@@ -361,20 +361,14 @@ class ShardedTrainerMixin:
         if self.args.should_save:
             if best != self.state.best_model_checkpoint:
                 self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-            write_manifest(staging, self._known_files(staging))
+            write_manifest(staging, self._known_files())
             publish(staging, final)
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
         comm.barrier()  # nobody goes on before the checkpoint is in place
 
-    def _known_files(self, folder) -> dict:
+    def _known_files(self) -> dict:
         """Sizes and CRC-32s the writers computed, so the manifest does not read those files again."""
-        known = {}
-        index = Path(folder) / state_io.FOLDER / state_io.INDEX
-        if index.is_file():
-            for name, info in json.loads(index.read_text())["files"].items():
-                known[f"{state_io.FOLDER}/{name}"] = info
-        known.update(getattr(self, "_model_files", None) or {})
-        return known
+        return {**(getattr(self, "_model_files", None) or {}), **(getattr(self, "_shard_files", None) or {})}
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""

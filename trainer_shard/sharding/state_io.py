@@ -51,8 +51,9 @@ def param_names(model) -> dict:
 
 
 @torch.no_grad()
-def save_shards(optimizer, folder, names: dict) -> None:
-    """Write this rank's shard and (rank 0) the index into `folder`. Collective."""
+def save_shards(optimizer, folder, names: dict) -> dict:
+    """Write this rank's shard and (rank 0) the index into `folder`. Collective. Returns every
+    shard file's {"bytes", "crc32"} by name (on every rank)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     inner, fresh = optimizer.inner, optimizer._fresh
@@ -69,6 +70,7 @@ def save_shards(optimizer, folder, names: dict) -> None:
         flats.append(_flat_entry(optimizer, i, names, keys, scalars))
     info = save_safetensors(tensors, folder / rank_file(optimizer.rank, optimizer.world_size))
     infos = comm.all_gather_objects(info, optimizer.group)
+    files = {rank_file(r, optimizer.world_size): infos[r] for r in range(optimizer.world_size)}
     if optimizer.rank == 0:
         index = {
             "format": FORMAT,
@@ -84,10 +86,11 @@ def save_shards(optimizer, folder, names: dict) -> None:
             ],  # fmt: skip
             "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None,
             "flats": flats,
-            "files": {rank_file(r, optimizer.world_size): infos[r] for r in range(optimizer.world_size)},
+            "files": files,
         }
         _write_json(folder / INDEX, index)
     comm.barrier(optimizer.group)
+    return files
 
 
 def _read_chunk(inner, index: int, key: str, start: int, out: torch.Tensor) -> None:
@@ -245,7 +248,7 @@ def load_shards(optimizer, folder, names: dict) -> None:
             keys = sources.keys(flat_names[0])
             if any(sources.index["flats"][o]["keys"] != keys for o in old):
                 raise CheckpointError(f"{str(folder)!r}: parameters stepped together now were saved with different state")
-            _check_state_keys(optimizer, i, keys, fresh, folder)
+            _check_state_keys(optimizer, keys, fresh, folder, index.get("optimizer", "another optimizer"))
             for key in keys:
                 _fill(optimizer, i, key, sources, flat_names)
             if not fresh:
@@ -273,7 +276,7 @@ def _check_params(sources: ShardSources, flat_names: list, folder) -> None:
         raise CheckpointError(f"the optimizer shards in {str(folder)!r} were saved for other parameters: {shown}")
 
 
-def _check_state_keys(optimizer, i: int, keys: list, fresh: bool, folder) -> None:
+def _check_state_keys(optimizer, keys: list, fresh: bool, folder, saved_by: str) -> None:
     """A state saved by another optimizer (SGD's momentum into AdamW...) is refused, not half-loaded."""
     from ..offload.engine import per_element_state
 
@@ -281,13 +284,9 @@ def _check_state_keys(optimizer, i: int, keys: list, fresh: bool, folder) -> Non
     saved = [k for k in keys if k != "master"]
     if not fresh and sorted(expected) != sorted(saved):
         raise CheckpointError(
-            f"the optimizer shards in {str(folder)!r} hold {saved} ({sources_optimizer(folder)}), this "
+            f"the optimizer shards in {str(folder)!r} hold {saved} ({saved_by}), this "
             f"{optimizer.optim_class.__name__} keeps {list(expected)}; resume with the same optimizer"
         )
-
-
-def sources_optimizer(folder) -> str:
-    return read_index(folder).get("optimizer", "another optimizer")
 
 
 def _load_hyperparameters(optimizer, index: dict, names: dict) -> None:
@@ -349,6 +348,9 @@ def load_into_plain(optimizer: torch.optim.Optimizer, model, folder) -> None:
     try:
         names = param_names(model)
         _check_params(sources, [[names.get(p) for g in optimizer.param_groups for p in g["params"]]], folder)
+        if len(optimizer.param_groups) != len(index["param_groups"]):
+            raise CheckpointError(f"the checkpoint's optimizer has {len(index['param_groups'])} param groups, "
+                                  f"this one {len(optimizer.param_groups)}")  # fmt: skip
         state, groups, pid = {}, [], 0
         for group, saved in zip(optimizer.param_groups, index["param_groups"]):
             ids = []
@@ -363,9 +365,6 @@ def load_into_plain(optimizer: torch.optim.Optimizer, model, folder) -> None:
                 pid += 1
             hyper = {k: (tuple(v) if isinstance(group.get(k), tuple) else v) for k, v in saved.items() if k != "params"}
             groups.append({**{k: v for k, v in group.items() if k != "params"}, **hyper, "params": ids})
-        if len(groups) != len(index["param_groups"]):
-            raise CheckpointError(f"the checkpoint's optimizer has {len(index['param_groups'])} param groups, "
-                                  f"this one {len(optimizer.param_groups)}")  # fmt: skip
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     finally:
         sources.close()
