@@ -11,6 +11,7 @@ this release are refused with a message saying so, never accepted and ignored:
 `BUILT_OPTIONS` lists what works; a release that adds an engine adds its option there.
 """
 
+import difflib
 import enum
 import logging
 import math
@@ -50,7 +51,9 @@ _NOT_BUILT = {
 
 
 def parse_sharded_ddp(value) -> tuple[list, list]:
-    """`"zero_dp_2 offload"` (or a list of strings) -> (options, problems). Pure, no torch."""
+    """`"zero_dp_2 offload"` (or a list of strings) -> (options, problems). Pure, no torch.
+
+    Problems quote what was given abbreviated, so that hostile input makes a short message."""
     if value is None or value is False or value == "":
         return [], []
     if isinstance(value, str):
@@ -58,20 +61,47 @@ def parse_sharded_ddp(value) -> tuple[list, list]:
     elif isinstance(value, (list, tuple)):
         words = value
     else:
-        return [], [f"--sharded_ddp must be a string of space-separated options, got {value!r}"]
-    options, problems = [], []
-    allowed = ", ".join(o.value for o in ShardedDDPOption)
+        return [], [f"--sharded_ddp must be a string of space-separated options, got {_shown(value)}"]
+    options, unknown = [], []
     for word in words:
         if isinstance(word, ShardedDDPOption):
             option = word
         elif isinstance(word, str) and word in ShardedDDPOption._value2member_map_:
             option = ShardedDDPOption(word)
         else:
-            problems.append(f"--sharded_ddp: unknown option {word!r}; the options are: {allowed}")
+            unknown.append(word)
             continue
         if option not in options:
             options.append(option)
-    return options, problems + _combination_problems(options)
+    return options, _unknown_problems(unknown) + _combination_problems(options)
+
+
+def _unknown_problems(unknown: list) -> list:
+    if not unknown:
+        return []
+    allowed = ", ".join(o.value for o in ShardedDDPOption)
+    shown = list(dict.fromkeys(_shown(word) + _did_you_mean(word) for word in unknown))
+    names = ", ".join(shown[:3])
+    more = f" and {len(shown) - 3} more" if len(shown) > 3 else ""
+    plural = "s" if len(shown) > 1 else ""
+    return [f"--sharded_ddp: unknown option{plural} {names}{more}; the options are: {allowed}"]
+
+
+def _did_you_mean(word) -> str:
+    if not isinstance(word, str) or len(word) > 40:
+        return ""
+    close = difflib.get_close_matches(word, [o.value for o in ShardedDDPOption], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _shown(value) -> str:
+    """repr(value) cut to 40 characters (repr of a 5,000-digit integer or a deeply nested list raises: its
+    type is named instead)."""
+    try:
+        text = repr(value[:41] if isinstance(value, str) else value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}, too large to show>"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _combination_problems(options) -> list:

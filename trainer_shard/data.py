@@ -11,7 +11,9 @@ also {"text"|"document"|"article": ..., "summary"|"highlights": ...}.
 Every file is checked when read: a missing, empty or non-UTF-8 file, a source/target pair of
 different lengths, or a JSON line without the expected keys raises `DataError` naming the file,
 the line and the fix. Texts longer than max_source_length / max_target_length tokens are
-truncated, as in the classic script (documented in the README).
+truncated, as in the classic script (documented in the README): the end-of-sequence token is
+kept, and `finetune.tokenize_splits` logs a warning with how many texts of each split reached
+the limit, so a cut that drops most of the data does not go unnoticed.
 """
 
 import json
@@ -67,9 +69,11 @@ def read_split(data_dir, split: str, n_obs: int | None = None) -> Pairs:
     source_path, target_path = data_dir / f"{split}.source", data_dir / f"{split}.target"
     sources, targets = read_lines(source_path), read_lines(target_path)
     if len(sources) != len(targets):
+        longer, shorter = (source_path, "target") if len(sources) > len(targets) else (target_path, "source")
         raise DataError(
-            f"{str(source_path)!r} has {len(sources)} lines but {str(target_path)!r} has {len(targets)}; "
-            "each source line needs its target on the same line number"
+            f"{str(source_path)!r} has {len(sources)} lines but {str(target_path)!r} has {len(targets)}: "
+            f"line {min(len(sources), len(targets)) + 1} of {longer.name} has no {shorter}; each source line needs "
+            "its target on the same line number"
         )
     return _truncate(Pairs(sources, targets, str(source_path)), n_obs)
 
@@ -84,11 +88,13 @@ def read_jsonl(path, task: str, src_lang: str | None = None, tgt_lang: str | Non
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{str(path)!r} line {number} is not valid JSON ({e.msg}); one JSON object a line") from None
+        except (ValueError, RecursionError):  # an integer of more than 4,300 digits; lists nested too deep
+            raise DataError(f"{str(path)!r} line {number} holds a number too long or lists nested too deep to read; "
+                            "one JSON object a line") from None  # fmt: skip
         source, target = _pair_from_record(record, task, src_lang, tgt_lang)
         if source is None:
             raise DataError(
-                f"{str(path)!r} line {number} has keys {sorted(record) if isinstance(record, dict) else record!r}; "
-                f"expected {_expected_keys(task, src_lang, tgt_lang)}"
+                f"{str(path)!r} line {number} has {_keys(record)}; expected {_expected_keys(task, src_lang, tgt_lang)}"
             )
         sources.append(source)
         targets.append(target)
@@ -115,6 +121,15 @@ def _pair_from_record(record, task, src_lang, tgt_lang):
     return None, None
 
 
+def _keys(record) -> str:
+    """`keys ['src', 'tgt']`, at most five, each cut to 30 characters; or what the line holds instead."""
+    if not isinstance(record, dict):
+        kind = {str: "string", list: "list", bool: "true/false", type(None): "null"}.get(type(record), "number")
+        return f"a JSON {kind}, not an object"
+    keys = [key if len(key) <= 30 else key[:27] + "..." for key in sorted(record)[:5]]
+    return f"keys {keys}" + (f" and {len(record) - 5} more" if len(record) > 5 else "")
+
+
 def _expected_keys(task, src_lang, tgt_lang) -> str:
     options = ['{"source": ..., "target": ...}']
     if src_lang and tgt_lang:
@@ -138,9 +153,19 @@ class TokenizedSeq2SeqDataset(Dataset):
 
     def __init__(self, pairs: Pairs, tokenizer, *, max_source_length: int, max_target_length: int, prefix: str = ""):
         self.pairs = pairs
+        self.max_source_length, self.max_target_length = max_source_length, max_target_length
         sources = [prefix + s for s in pairs.sources]
         self.input_ids = tokenizer(sources, max_length=max_source_length, truncation=True)["input_ids"]
         self.labels = tokenizer(text_target=pairs.targets, max_length=max_target_length, truncation=True)["input_ids"]
+
+    def at_limit(self) -> tuple[int, int]:
+        """(sources, targets) whose tokens reached max_source_length / max_target_length.
+
+        Every longer text was cut there; one exactly that long is counted too (it cannot be told
+        apart after tokenization)."""
+        sources = sum(len(ids) >= self.max_source_length for ids in self.input_ids)
+        targets = sum(len(ids) >= self.max_target_length for ids in self.labels)
+        return sources, targets
 
     def __len__(self):
         return len(self.input_ids)

@@ -6,6 +6,7 @@ Every check runs before the Trainer exists, so a mistake stops the run before an
 
 import json
 import logging
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -252,22 +253,35 @@ def _embedding_modules(model):
     return [m for m in model.modules() if isinstance(m, nn.Embedding)]
 
 
+_TARGET_FLAG = {"train": "max_target_length", "val": "val_max_target_length", "test": "test_max_target_length"}
+
+
 def tokenize_splits(pairs: dict, tokenizer, data_args, prefix: str) -> dict:
-    target_lengths = {
-        "train": data_args.max_target_length,
-        "val": data_args.val_max_target_length,
-        "test": data_args.test_max_target_length,
-    }
-    return {
+    """{split: TokenizedSeq2SeqDataset}; a warning (rank 0) for each split whose texts reached the limits."""
+    datasets = {
         split: TokenizedSeq2SeqDataset(
             split_pairs,
             tokenizer,
             max_source_length=data_args.max_source_length,
-            max_target_length=target_lengths[split],
+            max_target_length=getattr(data_args, _TARGET_FLAG[split]),
             prefix=prefix,
         )
         for split, split_pairs in pairs.items()
     }
+    for split, dataset in datasets.items():
+        _warn_truncation(split, dataset)
+    return datasets
+
+
+def _warn_truncation(split: str, dataset) -> None:
+    sources, targets = dataset.at_limit()
+    if (sources or targets) and os.environ.get("RANK", "0") == "0":  # every rank reads the same data
+        logger.warning(
+            "%s of %s %s sources reached --max_source_length %s tokens and %s targets --%s %s; longer texts were cut "
+            "there (raise the flag to keep more of them)",
+            sources, len(dataset), split, dataset.max_source_length, targets, _TARGET_FLAG[split],
+            dataset.max_target_length,
+        )  # fmt: skip
 
 
 def write_generations(path, texts) -> None:

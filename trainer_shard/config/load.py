@@ -6,6 +6,10 @@ Checks, in one pass: JSON syntax (with line and column), unknown keys (with the 
 types, ranges, "auto" where it is not allowed, cross-field rules (nvme needs nvme_path, offload
 needs stage >= 1 or one process...), and, given TrainingArguments, "auto" filled from them and
 every explicit value that contradicts them, reported with both values.
+
+Hostile input gets the same treatment (tests/faults/test_input_fuzz.py): whatever the bytes, the
+only exception is ConfigError, and every value, key and number in its message is abbreviated, so
+a 400-digit integer or a megabyte of string is named in a line, never pasted in whole.
 """
 
 import json
@@ -81,23 +85,64 @@ def _under(path: str, bad: set) -> bool:
     return any(path == b or path.startswith(b + ".") for b in bad)
 
 
+MAX_FILE_BYTES = 2**20  # an offload config is a few hundred bytes
+MAX_DIGITS = 4000  # Python refuses to convert longer integers (sys.get_int_max_str_digits())
+INT_LIMIT = 2**63 - 1  # no count or size here goes beyond a 64-bit integer
+MAX_UNKNOWN = 5  # unknown keys in one object named one by one; more are summed up in one problem
+
+
 def _read_json(path: Path, source: str):
+    if path.is_dir():
+        raise ConfigError(source, [("$", "is a folder; pass the path of a JSON config file (see configs/README.md)")])
     if not path.is_file():
         raise ConfigError(source, [("$", "file not found; pass the path of a JSON config (see configs/README.md)")])
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(source, [("$", f"is {size:,} bytes; an offload config is a few hundred: pass the JSON "
+                                    "config, not a data or weights file")])  # fmt: skip
+    raw = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is fine
     except UnicodeDecodeError as e:
-        raise ConfigError(source, [("$", f"not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(source, [("$", f"not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, byte offset "
+                                    f"{e.start}); save the file as UTF-8")])  # fmt: skip
+    duplicates = []
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int,
+                          object_pairs_hook=lambda pairs: _object(pairs, duplicates))  # fmt: skip
     except json.JSONDecodeError as e:
         raise ConfigError(source, [("$", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
+    except RecursionError:
+        raise ConfigError(source, [("$", "nests lists or objects too deeply to read; an offload config is at most "
+                                    "four levels deep")]) from None  # fmt: skip
     except ValueError as e:
         raise ConfigError(source, [("$", str(e))]) from None
+    if duplicates:
+        keys = ", ".join(_describe(k, 40) for k in dict.fromkeys(duplicates[:5]))
+        raise ConfigError(source, [("$", f"key {keys} written twice in one object, and JSON would keep only the last "
+                                    "silently; write each key once")])  # fmt: skip
+    return data
 
 
 def _reject_constant(name):
     raise ValueError(f"{name} is not a number JSON allows; write a finite number")
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_DIGITS:
+        raise ValueError(f"holds an integer of {len(text):,} digits ({text[:12]}...); no setting takes a number that "
+                         "large: write the value you mean")  # fmt: skip
+    return int(text)
+
+
+def _object(pairs: list, duplicates: list) -> dict:
+    """json's object_pairs_hook: a dict, remembering keys written twice (json keeps the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        duplicates += [key for key, _ in pairs if key in seen or seen.add(key)]
+    return out
 
 
 # ---- per-key checks --------------------------------------------------------------------------
@@ -109,10 +154,14 @@ def _check_object(value, spec: dict, path: str, problems: list) -> dict:
         problems.append((path, f"must be an object {{...}}, got {_describe(value)}"))
         return _check_object({}, spec, path, [])  # its defaults stand in
     out = {}
-    for key in value:
-        if not isinstance(key, str) or key not in spec:
-            allowed = ", ".join(spec)
-            problems.append((f"{path}.{key}", f"unknown key; allowed here: {allowed}"))
+    unknown = [key for key in value if not isinstance(key, str) or key not in spec]
+    allowed = ", ".join(spec)
+    if len(unknown) > MAX_UNKNOWN:
+        names = ", ".join(_describe(key, 30) for key in unknown[:MAX_UNKNOWN])
+        problems.append((path, f"has {len(unknown)} unknown keys ({names}, ...); remove them; allowed here: "
+                         f"{allowed}"))  # fmt: skip
+    else:
+        problems += [(_child(path, key), f"unknown key; allowed here: {allowed}") for key in unknown]
     for key, key_spec in spec.items():
         child = f"{path}.{key}"
         if key not in value:
@@ -122,14 +171,24 @@ def _check_object(value, spec: dict, path: str, problems: list) -> dict:
     return out
 
 
+def _child(path: str, key) -> str:
+    """`$.stage`, or `$["odd key"]` for a key that is long or not a plain name."""
+    if isinstance(key, str) and _NAME.fullmatch(key):
+        return f"{path}.{key}"
+    return f"{path}[{_describe(key, 40)}]"
+
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
 def _check_value(value, spec: Key, path: str, problems: list):
+    if spec.kind == "object":  # "auto" included: an object's defaults stand in, never None
+        return _check_object(value, spec.children, path, problems)
     if value == AUTO and isinstance(value, str):
         if spec.auto:
             return AUTO
         problems.append((path, '"auto" is not allowed here; write a value'))
         return spec.default
-    if spec.kind == "object":
-        return _check_object(value, spec.children, path, problems)
     checker = {"bool": _as_bool, "int": _as_int, "float": _as_float, "str": _as_str, "choice": _as_choice,
                "floats": _as_floats, "strs": _as_strs, "memory": _as_memory, "device_map": _as_device_map}[spec.kind]  # fmt: skip
     try:
@@ -142,17 +201,52 @@ def _check_value(value, spec: Key, path: str, problems: list):
     return checked
 
 
-def _describe(value) -> str:
-    text = json.dumps(value, ensure_ascii=False) if _jsonable(value) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+def _describe(value, width: int = 60) -> str:
+    """`value` as JSON, cut to `width` characters: whatever its size or depth, only the start is read."""
+    text = ""
+    for piece in _pieces(value):
+        text += piece
+        if len(text) > width:
+            text = text[: width - 3] + "..."
+            break
+    # a lone surrogate (JSON "\ud800") would make printing the message fail
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _jsonable(value) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _pieces(value):
+    """JSON text of `value` piece by piece, lazily (see _describe)."""
+    if isinstance(value, dict):
+        yield "{"
+        for i, (key, item) in enumerate(value.items()):
+            yield (", " if i else "") + _scalar(key) + ": "
+            yield from _pieces(item)
+        yield "}"
+    elif isinstance(value, (list, tuple)):
+        yield "["
+        for i, item in enumerate(value):
+            yield ", " if i else ""
+            yield from _pieces(item)
+        yield "]"
+    else:
+        yield _scalar(value)
+
+
+def _scalar(value) -> str:
+    if isinstance(value, str):
+        return json.dumps(value[:80], ensure_ascii=False)[:-1] + ('..."' if len(value) > 80 else '"')
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return _big_int(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    return repr(value)[:80]
+
+
+def _big_int(value: int) -> str:
+    """`100000... (401 digits)`: the number is never printed whole."""
+    if value.bit_length() > 13_000:  # str() refuses integers of more than 4,300 digits
+        return f"an integer of about {int(value.bit_length() * 0.30103):,} digits"
+    text = str(abs(value))
+    return f"{'-' if value < 0 else ''}{text[:6]}... ({len(text):,} digits)"
 
 
 def _as_bool(value, spec):
@@ -162,16 +256,20 @@ def _as_bool(value, spec):
 
 
 def _number(value, spec, integer: bool):
+    # compared, never converted, until known to be in range: float(10**400) overflows
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"must be {'an integer' if integer else 'a number'}, got {_describe(value)}")
-    if integer and not (isinstance(value, int) or (math.isfinite(value) and value == int(value))):
-        raise ValueError(f"must be an integer, got {_describe(value)}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"must be finite, got {_describe(value)}")
+    if integer and isinstance(value, float) and value != int(value):
+        raise ValueError(f"must be an integer, got {_describe(value)}")
     if spec.minimum is not None and (value < spec.minimum or (spec.exclusive_minimum and value == spec.minimum)):
         raise ValueError(f"must be {'>' if spec.exclusive_minimum else '>='} {spec.minimum}, got {_describe(value)}")
     if spec.maximum is not None and value > spec.maximum:
         raise ValueError(f"must be <= {spec.maximum}, got {_describe(value)}")
+    if (integer or isinstance(value, int)) and abs(value) > INT_LIMIT:
+        raise ValueError(f"must be at most {INT_LIMIT:,} (2**63 - 1), got {_describe(value)}; write the value you "
+                         "mean")  # fmt: skip
     return int(value) if integer else float(value)
 
 
@@ -207,38 +305,58 @@ def _as_strs(value, spec):
     raise ValueError(f"must be a non-empty list of non-empty strings, got {_describe(value)}")
 
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
 
 
 def parse_size(text) -> int:
-    """Bytes from 5GB, 500MB, 2GiB (powers of 1000 and 1024) or a plain number of bytes."""
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+    """Bytes from 5GB, 500MB, 2GiB (powers of 1000 and 1024) or a plain number of bytes.
+
+    At most 2**63 - 1 bytes; ValueError, with the value abbreviated, for anything else."""
+    if isinstance(text, int) and not isinstance(text, bool) and 0 <= text <= INT_LIMIT:
         return text
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
     if not match:
         raise ValueError(f"must be a size such as 2GiB, 500MB or a number of bytes, got {_describe(text)}")
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return int(number * (1024 if "I" in unit else 1000) ** power)
+    size = number * (1024 if "I" in unit else 1000) ** power
+    if size > INT_LIMIT:
+        raise ValueError(f"{_describe(text)} is more than 2**63 - 1 bytes; write a size such as 24GiB")
+    return int(size)
+
+
+_GPU = re.compile(r"(?:cuda:)?([0-9]{1,4})")
 
 
 def _device(key, path_hint: str):
     """accelerate's name for a device: "cpu", "disk", "mps", or a GPU index (from 0, "0", "cuda:0")."""
-    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+    if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < 10_000:
         return key
     if isinstance(key, str):
-        text = key.removeprefix("cuda:")
-        if text.isdigit():
-            return int(text)
+        match = _GPU.fullmatch(key)  # ASCII digits only: "²".isdigit() is true, int("²") fails
+        if match:
+            return int(match.group(1))
         if key in ("cpu", "disk", "mps"):
             return key
-    raise ValueError(f"{path_hint} {_describe(key)} is not a device: use cpu, disk, mps or a GPU index (0, cuda:0)")
+    raise ValueError(f"{path_hint} {_describe(key, 40)} is not a device: use cpu, disk, mps or a GPU index "
+                     "(0, cuda:0)")  # fmt: skip
 
 
 def _as_memory(value, spec):
     if not isinstance(value, dict) or not value:
         raise ValueError(f'must be an object of sizes per device, e.g. {{"cpu": "2GiB"}}, got {_describe(value)}')
-    return {_device(k, "key"): parse_size(v) for k, v in value.items()}
+    budget, spelled = {}, {}
+    for key, size in value.items():
+        device = _device(key, "key")
+        if device in budget:
+            raise ValueError(f"names device {device} twice ({_describe(spelled[device], 20)} and "
+                             f"{_describe(key, 20)}); keep one")  # fmt: skip
+        spelled[device] = key
+        try:
+            budget[device] = parse_size(size)
+        except ValueError as e:
+            raise ValueError(f"{_describe(key, 20)}: {e}") from None
+    return budget
 
 
 def _as_device_map(value, spec):
@@ -248,7 +366,7 @@ def _as_device_map(value, spec):
         raise ValueError(f"must be one of {', '.join(DEVICE_MAP_STRATEGIES)} or an object "
                          f'{{"module.name": device}}, got {_describe(value)}')  # fmt: skip
     if isinstance(value, dict) and value:
-        return {str(k): _device(v, f"module {k!r}: value") for k, v in value.items()}
+        return {str(k): _device(v, f"module {k[:40]!r}{'...' if len(k) > 40 else ''}: value") for k, v in value.items()}
     raise ValueError(f'must be a strategy (auto...) or an object {{"module.name": device}}, got {_describe(value)}')
 
 
@@ -367,7 +485,7 @@ def _against_training_args(tree: dict, args, world_size: int, problems: list) ->
         if mine == AUTO:
             holder[key] = theirs
         elif mine is not None and _differs(mine, theirs) and not _unset_flag(flag, theirs):
-            problems.append((path, f"is {json.dumps(mine)} but {flag} is {json.dumps(theirs)}; make them agree, or write \"auto\""))
+            problems.append((path, f"is {_describe(mine)} but {flag} is {_describe(theirs)}; make them agree, or write \"auto\""))
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if tree["zero_optimization"][key] == AUTO:
             tree["zero_optimization"][key] = 2**23
