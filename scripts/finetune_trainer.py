@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataC
 
 from trainer_shard import ShardedSeq2SeqTrainer
 from trainer_shard.errors import TrainerShardError
+from trainer_shard.faults import EXIT_PEER_FAILED, PeerFailedError, TrainingInterrupted
 from trainer_shard.loading import load_pretrained_lean
 from trainer_shard.offload.dispatch import load_dispatched
 from trainer_shard.finetune import (
@@ -162,12 +163,21 @@ def print_summary(results: dict, output_dir: str) -> None:
         print(f"  {key:<{width}} = {value:.4f}" if isinstance(value, float) else f"  {key:<{width}} = {value}")
 
 
-def run(argv=None) -> int:
+def run(argv=None, **trainer_kwargs) -> int:
+    """Exit status: 0; 2 for a mistake in the arguments, config or data (nothing written);
+    3 when another rank failed (the message names it); 128 + N after signal N (SIGINT: 130,
+    SIGTERM: 143), with a checkpoint under --save_on_interrupt."""
     try:
-        main(argv)
+        main(argv, **trainer_kwargs)
     except TrainerShardError as e:
         print(f"finetune_trainer.py: error: {e}", file=sys.stderr)
         return 2
+    except PeerFailedError as e:
+        print(f"finetune_trainer.py: error: {e}", file=sys.stderr)
+        return EXIT_PEER_FAILED
+    except TrainingInterrupted as e:
+        print(f"finetune_trainer.py: {e}", file=sys.stderr)
+        return e.exit_code
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -240,6 +240,21 @@ def _size_problems(args) -> list:
     return []
 
 
+def _output_problems(args) -> list:
+    """--output_dir on a read-only disk: the Trainer would fail creating it, with a traceback.
+    (Room for checkpoints is checked when training starts, once the model's size is known.)"""
+    if not args.output_dir:
+        return []
+    from .checkpoint import check_writable
+    from .errors import CheckpointError
+
+    try:
+        check_writable(args.output_dir, 0, "--output_dir")
+    except CheckpointError as e:
+        return [str(e)]
+    return []
+
+
 def _peer_problems(args, options) -> list:
     problems = []
     if options and getattr(args, "deepspeed", None):
@@ -321,6 +336,17 @@ class ShardingArguments:
         default=None,
         metadata={"help": "Path of a JSON offload config (a DeepSpeed-compatible subset); see configs/README.md."},
     )
+    save_on_interrupt: bool = field(
+        default=False,
+        metadata={"help": "On SIGINT (Ctrl-C) or SIGTERM, finish the current step on every rank, write a checkpoint, "
+                  "and exit with 128 + the signal's number; without it the run stops after the step unsaved."},
+    )
+    ddp_timeout: int = field(
+        default=300,
+        metadata={"help": "Seconds a rank waits in a collective, and for a silent peer, before it stops with an "
+                  "error naming the rank at fault (the Trainer's default is 1800; raise it when one rank does long "
+                  "work alone)."},
+    )
     max_shard_size: str = field(
         default="5GB",
         metadata={"help": "Largest weights file of a saved model or checkpoint (5GB, 500MB, 2GiB...): bigger models "
@@ -334,6 +360,7 @@ class ShardingArguments:
         problems += _peer_problems(self, options)
         problems += _distributed_problems(self)
         problems += _size_problems(self)
+        problems += _output_problems(self)
         if not problems:
             problems = _unbuilt_problems(options, self.offload)
         if problems:

@@ -80,15 +80,19 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> dict:
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     tmp = Path(f"{path}.tmp")
-    with open(tmp, "wb") as f:
-        crc = _Crc(f)
-        crc.write(struct.pack("<Q", len(encoded)))
-        crc.write(encoded)
-        for tensor in tensors.values():
-            for piece in _pieces(tensor):
-                crc.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            crc = _Crc(f)
+            crc.write(struct.pack("<Q", len(encoded)))
+            crc.write(encoded)
+            for tensor in tensors.values():
+                for piece in _pieces(tensor):
+                    crc.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
     os.replace(tmp, path)  # a save that fails half-way leaves the previous file in place
     return {"bytes": crc.bytes, "crc32": crc.value}
 
@@ -253,6 +257,69 @@ def save_sharded(tensors: dict, out, limit: int) -> dict:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return files
+
+
+def existing_parent(path) -> Path:
+    """`path`, or its nearest ancestor that exists (where a folder about to be made would live)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path) -> int:
+    return shutil.disk_usage(existing_parent(path)).free
+
+
+def describe_os_error(error: Exception, folder=None) -> str:
+    """`[Errno 28] No space left on device` -> what failed, where, and the room left there.
+    `folder`: where the writing went, for errors that name no file (torch.save's)."""
+    where = getattr(error, "filename", None) or folder
+    if isinstance(error, OSError):
+        text = f"{error.strerror or error} writing {where or 'a file'}"
+    else:
+        text = f"torch.save could not write into {where}"
+    try:
+        base = existing_parent(where)
+        if os.statvfs(base).f_flag & os.ST_RDONLY:
+            text += " (a read-only filesystem)"
+        else:
+            text += f" ({format_bytes(shutil.disk_usage(base).free)} free there)"
+    except (OSError, TypeError):
+        pass
+    return text
+
+
+_WRITE_FAILURES = ("iostream error", "unexpected pos", "cannot be opened", "file write failed", "No space left",
+                   "Parent directory",
+                   "Read-only file system")  # fmt: skip
+
+
+def is_write_error(error: Exception) -> bool:
+    """Whether a RuntimeError is torch.save's way of saying that a file could not be written."""
+    return any(s in str(error) for s in _WRITE_FAILURES)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def check_writable(folder, needed: int, what: str, purpose: str = "") -> None:
+    """Raise `CheckpointError` unless `folder` (made or not yet) can take `needed` more bytes
+    (`purpose`: for what, said in the message)."""
+    base = existing_parent(folder)
+    read_only = bool(os.statvfs(base).f_flag & os.ST_RDONLY) or not os.access(base, os.W_OK | os.X_OK)
+    if read_only:
+        raise CheckpointError(f"{what} {str(folder)!r} cannot be written: {str(base)!r} is read-only; point it at a "
+                              "writable folder")  # fmt: skip
+    free = shutil.disk_usage(base).free
+    if free < needed:
+        raise CheckpointError(f"{what} {str(folder)!r}: {format_bytes(needed)} are needed{purpose} and {str(base)!r} has "
+                              f"{format_bytes(free)} free; free space there or point it at a disk with room")  # fmt: skip
 
 
 # ---- crash safety ---------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .faults import inside
+
 
 def is_distributed(group=None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
@@ -43,12 +45,13 @@ def _uses_gloo(group) -> bool:
 class _Then:
     """A handle that runs `finish` once the collective it wraps has completed."""
 
-    def __init__(self, work, finish):
-        self.work, self.finish, self.done = work, finish, False
+    def __init__(self, work, finish, name: str):
+        self.work, self.finish, self.done, self.name = work, finish, False, name
 
     def wait(self):
         if not self.done:
-            self.work.wait()
+            with inside(self.name):
+                self.work.wait()
             self.finish()
             self.done = True
 
@@ -67,9 +70,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
         if _uses_gloo(group):
             rank, n = dist.get_rank(group), output.numel()
             work = dist.all_reduce(input, group=group, async_op=True)
-            handle = _Then(work, lambda: output.copy_(input[rank * n : (rank + 1) * n]))
+            handle = _Then(work, lambda: output.copy_(input[rank * n : (rank + 1) * n]), "reduce_scatter")
         else:
-            handle = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            work = _reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            handle = _Then(work, lambda: None, "reduce_scatter")
     if not async_op:
         handle.wait()
         return None
@@ -92,7 +96,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
         return _Done() if async_op else None
     with record_function("trainer_shard::all_gather"):
         if not _uses_gloo(group):
-            return _all_gather(output, mine, group=group, async_op=async_op)
+            handle = _Then(_all_gather(output, mine, group=group, async_op=True), lambda: None, "all_gather")
+            return handle if async_op else handle.wait()
         world = dist.get_world_size(group)
         works = [
             dist.broadcast(output[i * n : (i + 1) * n], src=dist.get_global_rank(group, i) if group else i,
@@ -111,14 +116,15 @@ class _All:
         self.works = works
 
     def wait(self):
-        for work in self.works:
-            work.wait()
+        with inside("all_gather"):
+            for work in self.works:
+                work.wait()
 
 
 def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
     """In place; SUM unless `op` says otherwise. See [Note: collective calls]."""
     if is_distributed(group):
-        with record_function("trainer_shard::all_reduce"):
+        with record_function("trainer_shard::all_reduce"), inside("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return tensor
 
@@ -126,7 +132,7 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
 def broadcast(tensor: torch.Tensor, src_rank: int = 0, group=None) -> torch.Tensor:
     """`src_rank` is the rank within `group`. See [Note: collective calls]."""
     if is_distributed(group):
-        with record_function("trainer_shard::broadcast"):
+        with record_function("trainer_shard::broadcast"), inside("broadcast"):
             dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group else src_rank, group=group)
     return tensor
 
@@ -136,11 +142,13 @@ def all_gather_objects(obj, group=None) -> list:
     if not is_distributed(group):
         return [obj]
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    with inside("all_gather_object"):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group=None) -> None:
     """Wait for every rank of `group`. See [Note: collective calls]."""
     if is_distributed(group):
-        dist.barrier(group=group)
+        with inside("barrier"):
+            dist.barrier(group=group)

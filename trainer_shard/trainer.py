@@ -47,14 +47,26 @@ from transformers.trainer import (
     TRAINING_ARGS_NAME,
 )
 from transformers.trainer_pt_utils import reissue_pt_warnings
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_callback import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 from transformers.training_args import ParallelMode
 
 import torch
 
 from .args import ShardedDDPOption, stage_from_options, world_size_from_env
 from . import comm
-from .checkpoint import STAGING, manifest_problems, publish, save_model, write_manifest
+from . import faults
+from .checkpoint import (
+    STAGING,
+    check_writable,
+    describe_os_error,
+    is_write_error,
+    format_bytes,
+    manifest_problems,
+    publish,
+    save_model,
+    write_manifest,
+)
 from .config import apply as config_apply
 from .config.load import parse_size
 from .errors import ArgumentError, CheckpointError, DistributedSetupError
@@ -140,6 +152,78 @@ class ShardedTrainerMixin:
             # placed by a device map (offload.dispatch): its hooks move the weights; accelerate
             # would move a map of one entry ({"": "disk"}) whole, which offloaded weights cannot
             self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, device_placement=False)
+        self._fault_watch = self._interrupt = self._stop_agreement = None
+        self.callback_handler.callbacks.insert(0, _FaultCallback(self))  # first: it says where the step begins
+
+    # ---- faults --------------------------------------------------------------------------------
+    # See [Note: fault watch] and [Note: interrupts] in faults.py.
+
+    def train(self, *args, **kwargs):
+        """The Trainer's `train()`, with every rank bounded in its wait for a failed peer (the
+        error names it: `PeerFailedError`) and SIGINT/SIGTERM stopping after the current step,
+        with a checkpoint under --save_on_interrupt (`TrainingInterrupted`). Collective."""
+        self._fault_watch = faults.FaultWatch.start(self.args.ddp_timeout)
+        self._interrupt = faults.InterruptGuard(self._fault_watch)
+        self._stop_agreement, self._stopped_by = faults.StopAgreement(), None
+        try:
+            self._check_output_room()
+            output = super().train(*args, **kwargs)
+        except BaseException as e:
+            failure = self._explain_failure(e)
+            if failure is e:
+                raise
+            raise failure from e
+        finally:
+            self._interrupt.restore()
+            if self._fault_watch is not None:
+                self._fault_watch.stop()
+            self._fault_watch = self._stop_agreement = None
+        signum = self._stopped_by or self._interrupt.signum
+        if signum:
+            checkpoint = getattr(self, "_last_checkpoint", None) if _save_on_interrupt(self.args) else None
+            raise faults.TrainingInterrupted(signum, self.state.global_step, checkpoint)
+        return output
+
+    def _explain_failure(self, error):
+        """The error this rank leaves `train()` with: a `PeerFailedError` naming the rank at fault
+        when a collective failed because of another rank; else `error`, posted for the others."""
+        watch = self._fault_watch
+        if watch is None or isinstance(error, faults.PeerFailedError):
+            return error
+        found = watch.wait_for_culprit(error) if isinstance(error, Exception) and faults._is_comm_error(error) else None
+        if found is None:
+            watch.post_failure(error)
+            return error
+        watch.post_failure(f"stopped because rank {found[0]} failed", because_of=found[0])
+        return faults.PeerFailedError(found[0], watch.message(found))
+
+    def _check_output_room(self) -> None:
+        """Before training: --output_dir writable, with room for a checkpoint (or the final model)."""
+        saves = self.args.save_strategy != "no" or _save_on_interrupt(self.args)
+        purpose = " for a checkpoint of this run" if saves else " for the trained model"
+        check_writable(self.args.output_dir, self._checkpoint_bytes(with_optimizer=saves), "--output_dir", purpose)
+        if self.args.should_save:
+            shutil.rmtree(os.path.join(self.args.output_dir, STAGING), ignore_errors=True)  # a killed run's
+
+    def _checkpoint_bytes(self, with_optimizer: bool = True) -> int:
+        """About what a checkpoint of this run writes: the weights, and the optimizer's state."""
+        model = self.accelerator.unwrap_model(self.model)
+        seen, total = set(), 0
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        if not with_optimizer or self.args.save_only_model:
+            return total
+        optim_class, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
+        states = 2
+        if isinstance(optim_class, type) and issubclass(optim_class, torch.optim.Optimizer):
+            states = len(per_element_state(optim_class, {k: v for k, v in kwargs.items()
+                                                         if k not in ("params", "model", "optimizer_dict")}))  # fmt: skip
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if self.sharding_stage is not None:  # fp32 masters and state
+            return total + 4 * (1 + states) * sum(p.numel() for p in trainable)
+        return total + states * sum(p.numel() * p.element_size() for p in trainable)
 
     # ---- sharding -----------------------------------------------------------------------------
 
@@ -301,8 +385,8 @@ class ShardedTrainerMixin:
         if self.sharding_stage is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         model = self.accelerator.unwrap_model(self.model)
-        files = state_io.save_shards(self.sharded_optimizer, Path(output_dir) / state_io.FOLDER, state_io.param_names(model))
-        self._shard_files = {f"{state_io.FOLDER}/{name}": info for name, info in files.items()}
+        self._shard_folder = Path(output_dir) / state_io.FOLDER
+        self._shard_written = state_io.write_shard(self.sharded_optimizer, self._shard_folder, state_io.param_names(model))
         if self.args.should_save and self.lr_scheduler is not None:
             with warnings.catch_warnings(record=True) as caught:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -341,34 +425,82 @@ class ShardedTrainerMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's save, into `.checkpoint-staging/checkpoint-N`; renamed to `checkpoint-N`
-        once every rank has written its files. See [Note: sharded checkpoints]. Collective."""
-        self._model_files = self._shard_files = None
+        once every rank has written its files. A rank that cannot write (a full or read-only disk)
+        makes every rank raise `CheckpointError` naming it, with the partial checkpoint removed and
+        the earlier ones untouched. See [Note: sharded checkpoints]. Collective."""
+        self._model_files = self._shard_written = self._save_failure = None
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING, name), os.path.join(run_dir, name)
+        faults.at(phase=f"saving {name}")
         if self.args.should_save:
             shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while saving
         comm.barrier()
         self._staging = True
         try:
-            super()._save_checkpoint(model, trial)
+            super()._save_checkpoint(model, trial)  # no collective may raise in between: see _save
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            if not isinstance(e, OSError) and not is_write_error(e):
+                raise
+            self._save_failure = self._save_failure or describe_os_error(e, staging)
         finally:
             self._staging = False
-        comm.barrier()  # every rank's files are written
+        # every rank's files are written, or who failed and why
+        outcomes = comm.all_gather_objects((self._save_failure, self._shard_written))
+        self._raise_if_save_failed(outcomes, name, staging)
         best = self.state.best_model_checkpoint
         if best is not None and os.path.dirname(best) == os.path.join(run_dir, STAGING):
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+        failure = None
         if self.args.should_save:
-            if best != self.state.best_model_checkpoint:
-                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-            write_manifest(staging, self._known_files())
-            publish(staging, final)
+            try:
+                if best != self.state.best_model_checkpoint:
+                    self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+                write_manifest(staging, {**(self._model_files or {}), **self._write_shard_index(outcomes)})
+                publish(staging, final)
+            except OSError as e:
+                failure = describe_os_error(e, staging)
+        # nobody goes on before the checkpoint is in place
+        self._raise_if_save_failed([(f, None) for f in comm.all_gather_objects(failure)], name, staging)
+        if self.args.should_save:
             rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=False)
-        comm.barrier()  # nobody goes on before the checkpoint is in place
+        self._last_checkpoint = final
+        if self._fault_watch is not None:
+            self._fault_watch.last_checkpoint = final
+        faults.at(phase="training")
 
-    def _known_files(self) -> dict:
-        """Sizes and CRC-32s the writers computed, so the manifest does not read those files again."""
-        return {**(getattr(self, "_model_files", None) or {}), **(getattr(self, "_shard_files", None) or {})}
+    def _raise_if_save_failed(self, outcomes, name: str, staging: str) -> None:
+        failed = [(r, failure or shard) for r, (failure, shard) in enumerate(outcomes)
+                  if failure or isinstance(shard, str)]  # fmt: skip
+        if not failed:
+            return
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(staging))
+            except OSError:
+                pass
+        comm.barrier()
+        last = getattr(self, "_last_checkpoint", None) or get_last_checkpoint_or_none(self.args.output_dir)
+        kept = f"{last} (the last complete checkpoint) is untouched" if last else "no earlier checkpoint exists"
+        causes = "; ".join(f"rank {r}: {text}" for r, text in failed)
+        fix = ("make it writable again, or point --output_dir at a writable disk" if "read-only" in causes else
+               "free space there (or lower --save_total_limit), or point --output_dir at a disk with room")  # fmt: skip
+        raise CheckpointError(
+            f"{name} was not saved: {causes}. A checkpoint of this run takes about "
+            f"{format_bytes(self._checkpoint_bytes())}. What it had written was removed; {kept}. To go on, {fix}, "
+            "and resume with --resume_from_checkpoint latest"
+        )
+
+    def _write_shard_index(self, outcomes) -> dict:
+        """Rank 0: the index of the optimizer shards every rank wrote; their files' sizes and CRCs."""
+        if self.sharding_stage is None or self.args.save_only_model:
+            return {}
+        world = self.sharded_optimizer.world_size
+        files = {state_io.rank_file(r, world): outcomes[r][1] for r in range(world)}
+        model = self.accelerator.unwrap_model(self.model)
+        state_io.write_index(self.sharded_optimizer, self._shard_folder, state_io.param_names(model), files)
+        return {f"{state_io.FOLDER}/{name}": info for name, info in files.items()}
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""
@@ -392,10 +524,18 @@ class ShardedTrainerMixin:
         if not self.args.should_save:
             return
         logger.info("Saving model checkpoint to %s", output_dir)
-        self._model_files = save_model(model, output_dir, parse_size(getattr(self.args, "max_shard_size", "5GB")))
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        try:
+            self._model_files = save_model(model, output_dir, parse_size(getattr(self.args, "max_shard_size", "5GB")))
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        except OSError as e:
+            if not getattr(self, "_staging", False):
+                raise CheckpointError(f"the model could not be saved to {output_dir!r}: {describe_os_error(e, output_dir)}; "
+                                      "free space there or pass another --output_dir") from None  # fmt: skip
+            # inside a checkpoint: the other ranks go on to the Trainer's barrier; every rank
+            # learns of it at _save_checkpoint's gather (raising here would leave them waiting)
+            self._save_failure = describe_os_error(e, output_dir)
 
     def evaluation_loop(self, *args, **kwargs):
         # Seq2SeqTrainer.evaluate/predict (transformers 5.x) switch the gather to
@@ -407,6 +547,41 @@ class ShardedTrainerMixin:
             self.accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
         )
         return super().evaluation_loop(*args, **kwargs)
+
+
+class _FaultCallback(TrainerCallback):
+    """Keeps the fault watch told where this rank is, and stops every rank after the same step
+    once one of them got SIGINT/SIGTERM (see [Note: interrupts])."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        faults.at(step=state.global_step + 1, phase="training")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        if trainer._stop_agreement is None:
+            return
+        signum = trainer._stop_agreement.agree(trainer._interrupt.signum)
+        if signum and not trainer._stopped_by:
+            trainer._stopped_by = signum
+            control.should_training_stop = True
+            control.should_save = control.should_save or _save_on_interrupt(args)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        faults.at(phase="training")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        faults.at(phase="evaluating")
+
+
+def _save_on_interrupt(args) -> bool:
+    return bool(getattr(args, "save_on_interrupt", False))  # a plain TrainingArguments has no such flag
+
+
+def get_last_checkpoint_or_none(output_dir):
+    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
 
 
 class ShardedTrainer(ShardedTrainerMixin, Trainer):

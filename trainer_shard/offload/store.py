@@ -92,7 +92,10 @@ class DiskStore:
         view = memoryview(out.numpy()).cast("B")
         done, offset = 0, 4 * start
         while done < len(view):
-            got = os.preadv(self._fds[name], [view[done:]], offset + done)
+            try:
+                got = os.preadv(self._fds[name], [view[done:]], offset + done)
+            except OSError as e:
+                raise self._failed("read", name, offset, len(view), e) from None
             if got == 0:
                 raise OffloadStoreError(f"{self.folder / name}.f32 is shorter than expected (read past its end)")
             done += got
@@ -102,7 +105,17 @@ class DiskStore:
         view = memoryview(data.contiguous().numpy()).cast("B")
         done, offset = 0, 4 * start
         while done < len(view):
-            done += os.pwritev(self._fds[name], [view[done:]], offset + done)
+            try:
+                done += os.pwritev(self._fds[name], [view[done:]], offset + done)
+            except OSError as e:
+                raise self._failed("write", name, offset, len(view), e) from None
+
+    def _failed(self, what: str, name: str, offset: int, size: int, error: OSError) -> OffloadStoreError:
+        return OffloadStoreError(
+            f"the disk store could not {what} {size:,} bytes at byte {offset:,} of {str(self.folder / name)}.f32: "
+            f"{error.strerror or error}; the optimizer state of this run is lost from that point: resume from the "
+            "last checkpoint with nvme_path on a healthy, writable disk"
+        )
 
     def close(self) -> None:
         """Close and delete this rank's files (and nvme_path itself if this store made it and it is empty)."""

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..checkpoint import Chunked, SafetensorsFile, file_problems, save_safetensors
+from ..checkpoint import Chunked, SafetensorsFile, describe_os_error, file_problems, save_safetensors
 from ..errors import CheckpointError
 
 FOLDER = "optimizer_shards"
@@ -53,11 +53,27 @@ def param_names(model) -> dict:
 @torch.no_grad()
 def save_shards(optimizer, folder, names: dict) -> dict:
     """Write this rank's shard and (rank 0) the index into `folder`. Collective. Returns every
-    shard file's {"bytes", "crc32"} by name (on every rank)."""
+    shard file's {"bytes", "crc32"} by name (on every rank). A rank that cannot write its file
+    (a full or read-only disk) makes every rank raise `CheckpointError` naming it."""
+    written = write_shard(optimizer, folder, names)
+    outcomes = comm.all_gather_objects(written, optimizer.group)
+    failed = [(r, out) for r, out in enumerate(outcomes) if isinstance(out, str)]
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {text}" for r, text in failed))
+    files = {rank_file(r, optimizer.world_size): outcomes[r] for r in range(optimizer.world_size)}
+    if optimizer.rank == 0:
+        write_index(optimizer, folder, names, files)
+    comm.barrier(optimizer.group)
+    return files
+
+
+def write_shard(optimizer, folder, names: dict):
+    """This rank's shard file, streamed: its {"bytes", "crc32"}, or the text of the OSError that
+    stopped it (the partial file removed). Not collective: the Trainer gathers the outcomes of
+    every file of a checkpoint at once (trainer.py)."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     inner, fresh = optimizer.inner, optimizer._fresh
-    tensors, flats = {}, []
+    tensors = {}
     for i, flat in enumerate(optimizer.flats):
         keys = ["master"] if fresh else inner.tensor_names(i)
         for key in keys:
@@ -67,30 +83,38 @@ def save_shards(optimizer, folder, names: dict) -> dict:
         for key, value in scalars.items():
             if torch.is_tensor(value):
                 tensors[f"flat{i}.{key}"] = value.detach().cpu().reshape(())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return save_safetensors(tensors, folder / rank_file(optimizer.rank, optimizer.world_size))
+    except OSError as e:
+        return describe_os_error(e)
+
+
+def write_index(optimizer, folder, names: dict, files: dict) -> None:
+    """`folder/index.json` (rank 0): what every rank's file holds and how to re-partition it."""
+    fresh = optimizer._fresh
+    flats = []
+    for i in range(len(optimizer.flats)):
+        keys = ["master"] if fresh else optimizer.inner.tensor_names(i)
+        scalars = {} if fresh else optimizer.inner.scalar_state(i)
         flats.append(_flat_entry(optimizer, i, names, keys, scalars))
-    info = save_safetensors(tensors, folder / rank_file(optimizer.rank, optimizer.world_size))
-    infos = comm.all_gather_objects(info, optimizer.group)
-    files = {rank_file(r, optimizer.world_size): infos[r] for r in range(optimizer.world_size)}
-    if optimizer.rank == 0:
-        index = {
-            "format": FORMAT,
-            "world_size": optimizer.world_size,
-            "stage": optimizer.stage,
-            "offload": optimizer.offload.device if optimizer.offload is not None else None,
-            "optimizer": optimizer.optim_class.__name__,
-            "fresh": fresh,
-            "param_groups": [
-                {**_jsonable({k: v for k, v in g.items() if k != "params"}),
-                 "params": [names[p] for p in g["params"] if p in names]}
-                for g in optimizer.param_groups
-            ],  # fmt: skip
-            "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None,
-            "flats": flats,
-            "files": files,
-        }
-        _write_json(folder / INDEX, index)
-    comm.barrier(optimizer.group)
-    return files
+    index = {
+        "format": FORMAT,
+        "world_size": optimizer.world_size,
+        "stage": optimizer.stage,
+        "offload": optimizer.offload.device if optimizer.offload is not None else None,
+        "optimizer": optimizer.optim_class.__name__,
+        "fresh": fresh,
+        "param_groups": [
+            {**_jsonable({k: v for k, v in g.items() if k != "params"}),
+             "params": [names[p] for p in g["params"] if p in names]}
+            for g in optimizer.param_groups
+        ],  # fmt: skip
+        "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None,
+        "flats": flats,
+        "files": files,
+    }
+    _write_json(Path(folder) / INDEX, index)
 
 
 def _read_chunk(inner, index: int, key: str, start: int, out: torch.Tensor) -> None:

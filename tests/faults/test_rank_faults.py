@@ -1,0 +1,97 @@
+"""A rank that dies, raises or hangs in the middle of a step, a collective or a save: the other
+rank exits within a bounded time with a message naming it, and the last complete checkpoint is
+intact and resumes exactly (trainer_shard/faults.py, [Note: fault watch]).
+
+The ranks are started by hand (as on two machines, where no launcher stops the survivors) and
+under torchrun (which stops them itself, with SIGTERM).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, assert_ok, free_port, run_script, script_env
+from fault_runs import INJECT, TIMEOUT, flags, straight  # noqa: F401 - a fixture
+from trainer_shard.checkpoint import manifest_problems
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+def launch_by_hand(args, env):
+    """Two ranks started as two machines would start them: no agent watches over them."""
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        rank_env = {**script_env(), **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
+                    "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(INJECT), *map(str, args)], cwd=ROOT, env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    return procs
+
+
+def finish(procs, limit=120):
+    """[(returncode, output, wall-clock time it ended)] of each process, in rank order."""
+    ended, outputs = [None] * len(procs), [None] * len(procs)
+    deadline = time.time() + limit
+    while any(e is None for e in ended) and time.time() < deadline:
+        for i, p in enumerate(procs):
+            if ended[i] is None and p.poll() is not None:
+                ended[i] = time.time()
+        time.sleep(0.05)
+    for i, p in enumerate(procs):
+        if ended[i] is None:
+            p.kill()
+        outputs[i] = p.communicate()[0]
+    return [(p.returncode, outputs[i], ended[i]) for i, p in enumerate(procs)]
+
+
+# fault -> (the survivor's bound in seconds after the fault, what its message says of rank 1)
+FAULTS = {
+    "kill": (8, "its process"),  # SIGKILL at the start of step 3
+    "raise": (8, "it raised RuntimeError: injected fault on rank 1 at step 3"),
+    "kill_in_collective": (8, "its process"),  # SIGKILL on entering step 3's reduce-scatter
+    "kill_in_save": (8, "its process"),  # SIGKILL with its shard of checkpoint-4 written
+    "hang": (TIMEOUT + 8, "it is alive but did not join the collective within 10 s"),  # asleep at step 3
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_the_other_rank_stops_in_bounded_time_naming_the_failed_rank(tiny_model, tiny_data, tmp_path, fault):
+    out, stamp = tmp_path / "out", tmp_path / "fault_time"
+    step = "4" if fault == "kill_in_save" else "3"
+    procs = launch_by_hand(flags(tiny_model, tiny_data, out), {"FAULT": fault, "FAULT_STEP": step, "FAULT_STAMP": str(stamp)})
+    (code0, out0, end0), (code1, out1, end1) = finish(procs)
+    assert stamp.is_file(), f"the fault was not injected\n{out0[-3000:]}\n{out1[-3000:]}"
+    bound, reason = FAULTS[fault]
+    took = end0 - float(stamp.read_text())
+    assert code0 == 3, f"rank 0 exit {code0}\n{out0[-3000:]}"
+    assert took < bound, f"rank 0 took {took:.1f} s to stop after the fault (bound {bound} s)"
+    message = next(line for line in out0.splitlines() if "error:" in line)
+    assert "because rank 1 failed" in message and reason in message, message
+    assert f"The last complete checkpoint is {out / 'checkpoint-2'}" in message, message
+    print(f"{fault}: rank 0 stopped {took:.1f} s after the fault: {message}")
+    if fault == "hang":  # the sleeper learns that rank 0 gave up on it, and stops too
+        assert code1 == 3 and "gave up waiting for this rank" in out1, out1[-3000:]
+    else:
+        assert code1 != 0
+    # what survived: checkpoint-2 whole; nothing of the step that failed published
+    assert manifest_problems(out / "checkpoint-2") == []
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_under_torchrun_a_killed_rank_is_named_and_the_run_resumes_exactly(tiny_model, tiny_data, tmp_path, straight):
+    out = tmp_path / "out"
+    killed = run_script(flags(tiny_model, tiny_data, out), nproc=2, script=INJECT, env={"FAULT": "kill", "FAULT_STEP": "5"})
+    assert killed.returncode != 0
+    assert "rank 0 stopped at step 5" in killed.stderr and "because rank 1 failed" in killed.stderr, killed.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = run_script([*flags(tiny_model, tiny_data, out), "--resume_from_checkpoint", "latest"], nproc=2)
+    assert_ok(resumed)
+    final = load_file(out / "model.safetensors")
+    assert all(torch.equal(final[k], straight[k]) for k in straight), "the resumed run differs from the straight one"

@@ -1,0 +1,381 @@
+"""Faults in a run of several processes: a rank that dies, raises or hangs; and interrupts.
+
+[Note: fault watch] A collective waits for every rank of the group. When one rank is killed,
+raises, or stops (a deadlock, a dead machine), the others would wait in their next collective
+until the process group's timeout, or forever where the transport never notices (a machine
+that lost power, NCCL). `FaultWatch` bounds that wait and names the rank at fault:
+
+- every rank's watch thread beats a counter in the rendezvous store every `interval` seconds
+  and publishes what its rank is doing (`where`: the step, the phase, the collective it waits in);
+- a rank that raises posts its error before it exits (`post_failure`), and a rank that stops
+  because of a peer says so too, so that a peer stuck outside the collectives learns it;
+- a peer is dead when its process is gone (same machine) or its beat has stopped for `timeout`;
+- once the watch knows a peer failed, the main thread has `grace` seconds to leave through its
+  own error (gloo reports a closed connection at once); after that the watch prints the reason
+  and ends the process (`EXIT_PEER_FAILED`), since a thread cannot interrupt a blocked collective.
+
+So every rank exits within `timeout` + `grace` seconds of a peer's failure, naming it; the
+Trainer uses `--ddp_timeout` as `timeout` (and as the process group's own timeout). The store
+is the one torchrun's agent hosts (or rank 0's, launched otherwise: when it goes, rank 0 is gone).
+
+[Note: interrupts] SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption, torchrun passing one
+on) set a flag; at the end of the optimizer step the ranks agree on it (one all-reduce of one
+number, on a CPU group), so they stop after the same step, write a checkpoint if asked
+(`--save_on_interrupt`), and `train()` raises `TrainingInterrupted`: the script exits 128 +
+the signal's number. A second signal at least `FORCE_AFTER` seconds after the first stops the
+process at once (torchrun passes on the terminal's Ctrl-C a moment after the process got it
+itself: that one does not count).
+"""
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+EXIT_PEER_FAILED = 3  # a rank stopped because another one failed (2: a user's mistake)
+FORCE_AFTER = 2.0  # seconds between two signals for the second to stop the process at once
+_PREFIX = "trainer_shard/faults"
+
+
+class PeerFailedError(RuntimeError):
+    """This rank stopped because another rank failed (was killed, raised or hung)."""
+
+    def __init__(self, rank: int, message: str):
+        self.rank = rank
+        super().__init__(message)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped after a signal; `checkpoint` is the folder saved at the stop, if any."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        saved = (f"checkpoint saved to {checkpoint}; resume with --resume_from_checkpoint latest" if checkpoint
+                 else "no checkpoint was written (pass --save_on_interrupt to write one)")  # fmt: skip
+        super().__init__(f"training interrupted by {name} after step {step}: {saved}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+# ---- what this rank is doing ------------------------------------------------------------------
+
+
+class _Where:
+    """What this rank is doing, as the watch thread publishes it. Plain attribute writes: the
+    main thread pays nothing but a store of a reference."""
+
+    step = 0
+    phase = "starting"
+    collective = None
+    since = 0.0  # when it entered `collective`
+
+    def describe(self) -> str:
+        inside = f", waiting in {self.collective}" if self.collective else ""
+        return f"step {self.step} ({self.phase}{inside})"
+
+
+WHERE = _Where()
+
+
+@contextlib.contextmanager
+def inside(collective: str):
+    """Mark this rank as waiting in `collective` (comm.py wraps every collective in it)."""
+    WHERE.collective, WHERE.since = collective, time.monotonic()
+    try:
+        yield
+    finally:
+        WHERE.collective = None
+
+
+def at(step: int | None = None, phase: str | None = None) -> None:
+    if step is not None:
+        WHERE.step = step
+    if phase is not None:
+        WHERE.phase = phase
+
+
+# ---- the watch --------------------------------------------------------------------------------
+
+
+def _store_client(timeout: float):
+    """A connection of our own to the rendezvous store (a thread must not queue behind the main
+    thread's blocking store calls), and who hosts it."""
+    store = dist.distributed_c10d._get_default_store()
+    inner = store
+    while hasattr(inner, "underlying_store"):
+        inner = inner.underlying_store
+    host = "the launcher" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+    if isinstance(inner, dist.TCPStore):
+        inner = dist.TCPStore(inner.host, inner.port, is_master=False, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False)  # fmt: skip
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return inner, host, restart
+
+
+class FaultWatch:
+    """See [Note: fault watch]. `start()` on every rank, as many times on each (the keys of each
+    session are its own)."""
+
+    _sessions = 0  # several train() calls in one process: keys of their own
+
+    def __init__(self, timeout: float, *, interval: float | None = None, grace: float | None = None):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = float(timeout)
+        self.interval = interval or min(5.0, max(0.2, self.timeout / 20))
+        self.grace = grace if grace is not None else min(self.timeout, max(5.0, 4 * self.interval))
+        inner, self.store_host, restart = _store_client(self.timeout)
+        FaultWatch._sessions += 1
+        self.store = dist.PrefixStore(f"{_PREFIX}/{restart}/{FaultWatch._sessions}/", inner)
+        self.failure = None  # (rank, reason) once a peer is known to have failed
+        self.last_checkpoint = None  # the Trainer keeps it current, for the messages
+        self._seen, self._stop = {}, threading.Event()
+        self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._peers = {}
+        self._thread = threading.Thread(target=self._run, name="trainer_shard-fault-watch", daemon=True)
+
+    @classmethod
+    def start(cls, timeout: float, **kwargs):
+        """A running watch, or None on one process. Sets the process group's timeout to `timeout`
+        too: transformers passes --ddp_timeout to the group only on GPUs (not with use_cpu)."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return None
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
+        watch = cls(timeout, **kwargs)
+        watch._thread.start()
+        return watch
+
+    def stop(self) -> None:
+        """Stop the thread, and tell the peers this rank left `train()` (not a failure: a failure
+        was posted first)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval + 1)
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    # -- posting ------------------------------------------------------------------------------
+
+    def post_failure(self, error, *, because_of: int | None = None) -> None:
+        """Tell the other ranks this one stops, and why. Never raises: it runs on the way out."""
+        text = " ".join(f"{type(error).__name__}: {error}".split())[:600] if isinstance(error, BaseException) else str(error)
+        try:
+            seq = self.store.add("failures", 1)
+            self.store.set(f"fail/{self.rank}", f"{seq}|{'' if because_of is None else because_of}|{text}")
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
+    # -- finding the rank at fault --------------------------------------------------------------
+
+    def _failures(self) -> list:
+        """[(seq, rank, because_of, text)] posted by the other ranks, first first."""
+        if self.store.add("failures", 0) == 0:
+            return []
+        found = []
+        for r in range(self.world):
+            if r != self.rank and self.store.check([f"fail/{r}"]):
+                seq, because, text = self.store.get(f"fail/{r}").decode(errors="replace").split("|", 2)
+                found.append((int(seq), r, int(because) if because else None, text))
+        return sorted(found)
+
+    def _dead(self, now: float) -> tuple | None:
+        """(rank, reason) of a peer whose process is gone or whose beat stopped `timeout` ago."""
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            if self._peers.get(r) is None and self.store.check([f"proc/{r}"]):
+                self._peers[r] = self.store.get(f"proc/{r}").decode().split()
+            if self.store.check([f"done/{r}"]):
+                continue  # it left train() normally: its beat stops, and its process may end
+            beats = self.store.add(f"beat/{r}", 0)
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != beats:
+                self._seen[r] = (beats, now)
+            elif now - seen[1] > self.timeout:
+                return r, f"it has not answered for {now - seen[1]:.0f} s (killed, stopped, or its machine is down)"
+            peer = self._peers.get(r)
+            if peer and peer[0] == socket.gethostname() and not _alive(int(peer[1])):
+                return r, f"its process {peer[1]} is gone (killed or crashed)"
+        return None
+
+    def culprit(self) -> tuple | None:
+        """(rank, reason) of the first peer known to have failed, else None."""
+        if self.failure is not None:
+            return self.failure
+        try:
+            for _, r, because, text in self._failures():
+                if because is None:
+                    return r, f"it raised {text}"
+            for _, r, because, text in self._failures():
+                if because == self.rank:
+                    return r, "it gave up waiting for this rank, which had not joined its collective"
+                return r, f"it stopped ({text})"
+            return self._dead(time.monotonic())
+        except Exception as e:  # noqa: BLE001
+            return (0 if self.store_host == "rank 0" else -1), f"the rendezvous store hosted by {self.store_host} is gone ({e})"
+
+    def wait_for_culprit(self, error) -> tuple | None:
+        """After a collective failed on this rank: the peer at fault, waiting for the watch to see
+        it up to `timeout` (a closed connection is seen in a beat or two; a silent peer takes
+        `timeout`). A timeout with every peer alive blames the peers not waiting in a collective."""
+        # a peer that timed out is alive: a few beats show whether someone failed meanwhile
+        wait = (3 * self.interval if _is_timeout(error) else self.timeout) if _is_comm_error(error) else 0
+        deadline = time.monotonic() + wait
+        while True:
+            found = self.culprit()
+            if found is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(self.interval / 2)
+        if found is None and _is_comm_error(error):
+            found = self._outside_collectives()
+        return found
+
+    def _outside_collectives(self) -> tuple | None:
+        try:
+            where = {r: self.store.get(f"where/{r}").decode() for r in range(self.world)
+                     if r != self.rank and self.store.check([f"where/{r}"])}  # fmt: skip
+        except Exception:  # noqa: BLE001
+            return None
+        stuck = {r: w for r, w in where.items() if "waiting in" not in w}
+        if not stuck:
+            return None
+        r = min(stuck)
+        return r, f"it is alive but did not join the collective within {self.timeout:.0f} s; it reports {stuck[r]}"
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        deadline = None
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                self.store.set(f"where/{self.rank}", WHERE.describe())
+            except Exception:  # noqa: BLE001 - culprit() names the store
+                pass
+            if self.failure is None:
+                self.failure = self.culprit() or self._stuck()
+                if self.failure is not None:
+                    deadline = time.monotonic() + self.grace
+            elif time.monotonic() >= deadline:
+                self.exit_now()
+
+    def _stuck(self) -> tuple | None:
+        """The backstop where a transport has no timeout of its own: this rank has waited in one
+        collective for longer than `timeout`."""
+        waited = time.monotonic() - WHERE.since
+        if WHERE.collective is None or waited <= self.timeout:
+            return None
+        return self._outside_collectives() or (
+            None, f"this rank waited {waited:.0f} s in {WHERE.collective} while every rank is alive and in a "
+                  "collective: they called different collectives (a bug; please report it)")  # fmt: skip
+
+    def message(self, failure=None) -> str:
+        rank, reason = failure or self.failure
+        last = (f"The last complete checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                else "No checkpoint was completed in this run")  # fmt: skip
+        if rank is None:
+            return f"rank {self.rank} stopped at {WHERE.describe()}: {reason}. {last}"
+        who = f"rank {rank}" if rank >= 0 else "the launcher"
+        return f"rank {self.rank} stopped at {WHERE.describe()} because {who} failed: {reason}. {last}"
+
+    def exit_now(self) -> None:
+        """End this process with the failure's message (its main thread is blocked)."""
+        self.post_failure(self.message(), because_of=self.failure[0] if self.failure[0] is not None else self.rank)
+        print(f"trainer_shard: error: {self.message()}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this machine is running (a zombie, killed but not yet reaped by
+    its launcher, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True  # no /proc: trust the beat
+
+
+def _is_comm_error(error) -> bool:
+    """Whether `error` came from a collective (a peer's fault, likely) rather than this rank."""
+    for cls in ("DistError", "DistBackendError", "DistNetworkError"):
+        if isinstance(error, getattr(dist, cls, ())):
+            return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(s in text for s in _COMM_WORDS + _TIMEOUT_WORDS)
+
+
+_COMM_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "pair closure")
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _is_timeout(error) -> bool:
+    return any(s in str(error).lower() for s in _TIMEOUT_WORDS)
+
+
+# ---- interrupts -------------------------------------------------------------------------------
+
+
+class InterruptGuard:
+    """SIGINT and SIGTERM set `signum` instead of stopping at once. See [Note: interrupts].
+    Installed by `train()` on the main thread; `restore()` puts the previous handlers back."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, watch: FaultWatch | None = None):
+        self.signum, self.first, self.watch, self._previous = None, None, watch, {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.watch is not None and self.watch.failure is not None:
+            self.watch.exit_now()  # a peer failed and the launcher is stopping us
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.first = signum, now
+            print(f"trainer_shard: {signal.Signals(signum).name} received: stopping after the current step "
+                  f"(again after {FORCE_AFTER:.0f} s to stop at once)", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        if now - self.first >= FORCE_AFTER:
+            self.restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os._exit(128 + signum)
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+class StopAgreement:
+    """One all-reduce (MAX) of the signal number per optimizer step, so that every rank stops
+    after the same step. On a CPU (gloo) group: no device sync. Collective."""
+
+    def __init__(self):
+        self.group = None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self._flag = torch.zeros(1, dtype=torch.int32)
+
+    def agree(self, signum: int | None) -> int:
+        self._flag.fill_(signum or 0)
+        if self.group is not None:
+            with inside("all_reduce(stop flag)"):
+                dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(self._flag.item())
