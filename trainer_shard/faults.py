@@ -148,11 +148,9 @@ class FaultWatch:
 
     @classmethod
     def start(cls, timeout: float, **kwargs):
-        """A running watch, or None on one process. Sets the process group's timeout to `timeout`
-        too: transformers passes --ddp_timeout to the group only on GPUs (not with use_cpu)."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        """A running watch, or None on one process."""
+        if not _several_ranks():
             return None
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout))
         watch = cls(timeout, **kwargs)
         watch._thread.start()
         return watch
@@ -232,14 +230,14 @@ class FaultWatch:
         it up to `timeout` (a closed connection is seen in a beat or two; a silent peer takes
         `timeout`). A timeout with every peer alive blames the peers not waiting in a collective."""
         # a peer that timed out is alive: a few beats show whether someone failed meanwhile
-        wait = (3 * self.interval if _is_timeout(error) else self.timeout) if _is_comm_error(error) else 0
+        wait = (3 * self.interval if _is_timeout(error) else self.timeout) if is_comm_error(error) else 0
         deadline = time.monotonic() + wait
         while True:
             found = self.culprit()
             if found is not None or time.monotonic() >= deadline:
                 break
             time.sleep(self.interval / 2)
-        if found is None and _is_comm_error(error):
+        if found is None and is_comm_error(error):
             found = self._outside_collectives()
         return found
 
@@ -298,6 +296,17 @@ class FaultWatch:
         os._exit(EXIT_PEER_FAILED)
 
 
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def apply_timeout(seconds: float) -> None:
+    """Make `seconds` the default process group's timeout: transformers passes --ddp_timeout to
+    the group only on GPUs (not with use_cpu), where gloo's default is 30 minutes."""
+    if _several_ranks():
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def _alive(pid: int) -> bool:
     """Whether process `pid` of this machine is running (a zombie, killed but not yet reaped by
     its launcher, is not)."""
@@ -310,7 +319,7 @@ def _alive(pid: int) -> bool:
         return True  # no /proc: trust the beat
 
 
-def _is_comm_error(error) -> bool:
+def is_comm_error(error) -> bool:
     """Whether `error` came from a collective (a peer's fault, likely) rather than this rank."""
     for cls in ("DistError", "DistBackendError", "DistNetworkError"):
         if isinstance(error, getattr(dist, cls, ())):
@@ -369,7 +378,7 @@ class StopAgreement:
 
     def __init__(self):
         self.group = None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _several_ranks():
             self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._flag = torch.zeros(1, dtype=torch.int32)
 

@@ -138,6 +138,7 @@ class ShardedTrainerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_distributed_setup(self.args)
+        faults.apply_timeout(self.args.ddp_timeout)
         self._plan_sharding()
         model = self.accelerator.unwrap_model(self.model)
         if self.model_accepts_loss_kwargs and not model_normalizes_by_num_items(model):
@@ -190,7 +191,7 @@ class ShardedTrainerMixin:
         watch = self._fault_watch
         if watch is None or isinstance(error, faults.PeerFailedError):
             return error
-        found = watch.wait_for_culprit(error) if isinstance(error, Exception) and faults._is_comm_error(error) else None
+        found = watch.wait_for_culprit(error) if isinstance(error, Exception) and faults.is_comm_error(error) else None
         if found is None:
             watch.post_failure(error)
             return error
@@ -215,11 +216,8 @@ class ShardedTrainerMixin:
                 total += t.numel() * t.element_size()
         if not with_optimizer or self.args.save_only_model:
             return total
-        optim_class, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
-        states = 2
-        if isinstance(optim_class, type) and issubclass(optim_class, torch.optim.Optimizer):
-            states = len(per_element_state(optim_class, {k: v for k, v in kwargs.items()
-                                                         if k not in ("params", "model", "optimizer_dict")}))  # fmt: skip
+        states = self._state_tensors()
+        states = 2 if states is None else states  # a factory's optimizer: say Adam's
         trainable = [p for p in model.parameters() if p.requires_grad]
         if self.sharding_stage is not None:  # fp32 masters and state
             return total + 4 * (1 + states) * sum(p.numel() for p in trainable)
@@ -288,15 +286,23 @@ class ShardedTrainerMixin:
     def _check_disk_room(self) -> None:
         """Before training: room on disk for this rank's shard (master + the optimizer's
         per-element state, fp32); the store checks the exact, padded size again when it opens."""
+        states = self._state_tensors()
+        if states is None:
+            return  # an optimizer factory: its class is known once built; the store checks then
+        model = self.accelerator.unwrap_model(self.model)
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        needed = 4 * (1 + states) * -(-numel // max(1, world_size_from_env()))
+        check_disk_store(self.offload_spec.nvme_path, self.args.process_index, needed)
+
+    def _state_tensors(self):
+        """How many per-element state tensors the optimizer keeps (AdamW: 2), before it is built;
+        None for an optimizer factory (its class is known only once built)."""
         model = self.accelerator.unwrap_model(self.model)
         optim_class, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
         if not (isinstance(optim_class, type) and issubclass(optim_class, torch.optim.Optimizer)):
-            return  # an optimizer factory: its class is known once built; the store checks then
+            return None
         kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
-        tensors = 1 + len(per_element_state(optim_class, kwargs))
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        needed = 4 * tensors * -(-numel // max(1, world_size_from_env()))
-        check_disk_store(self.offload_spec.nvme_path, self.args.process_index, needed)
+        return len(per_element_state(optim_class, kwargs))
 
     @property
     def sharding_stage(self):

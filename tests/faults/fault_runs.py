@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
 
 INJECT = ROOT / "tests" / "helpers" / "inject_fault.py"
-TIMEOUT = 10  # --ddp_timeout of these runs, in seconds
+TIMEOUT = 6  # --ddp_timeout of these runs, in seconds
 
 
 def flags(model, data, out, *extra):

@@ -51,31 +51,34 @@ def finish(procs, limit=120):
     return [(p.returncode, outputs[i], ended[i]) for i, p in enumerate(procs)]
 
 
-# fault -> (the survivor's bound in seconds after the fault, what its message says of rank 1)
+# case -> (fault, the survivor's bound in seconds after the fault, what its message says of rank 1), ZeRO-2
 FAULTS = {
-    "kill": (8, "its process"),  # SIGKILL at the start of step 3
-    "raise": (8, "it raised RuntimeError: injected fault on rank 1 at step 3"),
-    "kill_in_collective": (8, "its process"),  # SIGKILL on entering step 3's reduce-scatter
-    "kill_in_save": (8, "its process"),  # SIGKILL with its shard of checkpoint-4 written
-    "hang": (TIMEOUT + 8, "it is alive but did not join the collective within 10 s"),  # asleep at step 3
+    "kill": ("kill", 8, "its process"),  # SIGKILL at the start of step 3
+    "raise": ("raise", 8, "it raised RuntimeError: injected fault on rank 1 at step 3"),
+    "kill_in_collective": ("kill_in_collective", 8, "its process"),  # SIGKILL entering step 3's reduce-scatter
+    "kill_in_save": ("kill_in_save", 8, "its process"),  # SIGKILL with its shard of checkpoint-4 written
+    "hang": ("hang", TIMEOUT + 8, f"it is alive but did not join the collective within {TIMEOUT} s"),  # asleep
+    "hang-plain-ddp": ("hang", TIMEOUT + 8, "it is alive but did not join"),  # DDP's own all-reduce, no sharding
 }
 
 
-@pytest.mark.parametrize("fault", FAULTS)
-def test_the_other_rank_stops_in_bounded_time_naming_the_failed_rank(tiny_model, tiny_data, tmp_path, fault):
+@pytest.mark.parametrize("case", FAULTS)
+def test_the_other_rank_stops_in_bounded_time_naming_the_failed_rank(tiny_model, tiny_data, tmp_path, case):
+    fault, bound, reason = FAULTS[case]
     out, stamp = tmp_path / "out", tmp_path / "fault_time"
     step = "4" if fault == "kill_in_save" else "3"
-    procs = launch_by_hand(flags(tiny_model, tiny_data, out), {"FAULT": fault, "FAULT_STEP": step, "FAULT_STAMP": str(stamp)})
+    extra = ["--sharded_ddp", ""] if case.endswith("plain-ddp") else []
+    procs = launch_by_hand(flags(tiny_model, tiny_data, out, *extra),
+                           {"FAULT": fault, "FAULT_STEP": step, "FAULT_STAMP": str(stamp)})  # fmt: skip
     (code0, out0, end0), (code1, out1, end1) = finish(procs)
     assert stamp.is_file(), f"the fault was not injected\n{out0[-3000:]}\n{out1[-3000:]}"
-    bound, reason = FAULTS[fault]
     took = end0 - float(stamp.read_text())
     assert code0 == 3, f"rank 0 exit {code0}\n{out0[-3000:]}"
     assert took < bound, f"rank 0 took {took:.1f} s to stop after the fault (bound {bound} s)"
     message = next(line for line in out0.splitlines() if "error:" in line)
     assert "because rank 1 failed" in message and reason in message, message
     assert f"The last complete checkpoint is {out / 'checkpoint-2'}" in message, message
-    print(f"{fault}: rank 0 stopped {took:.1f} s after the fault: {message}")
+    print(f"{case}: rank 0 stopped {took:.1f} s after the fault: {message}")
     if fault == "hang":  # the sleeper learns that rank 0 gave up on it, and stops too
         assert code1 == 3 and "gave up waiting for this rank" in out1, out1[-3000:]
     else:
