@@ -271,7 +271,7 @@ def free_bytes(path) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-def describe_os_error(error: Exception, folder=None) -> str:
+def describe_write_error(error: Exception, folder=None) -> str:
     """`[Errno 28] No space left on device` -> what failed, where, and the room left there.
     `folder`: where the writing went, for errors that name no file (torch.save's)."""
     where = getattr(error, "filename", None) or folder

@@ -144,7 +144,9 @@ class FaultWatch:
         self._seen, self._stop = {}, threading.Event()
         self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._peers = {}
+        self._deadline, self._last_round = None, time.monotonic()
         self._thread = threading.Thread(target=self._run, name="trainer_shard-fault-watch", daemon=True)
+        self._reaper = threading.Thread(target=self._reap, name="trainer_shard-fault-reaper", daemon=True)
 
     @classmethod
     def start(cls, timeout: float, **kwargs):
@@ -153,6 +155,7 @@ class FaultWatch:
             return None
         watch = cls(timeout, **kwargs)
         watch._thread.start()
+        watch._reaper.start()
         return watch
 
     def stop(self) -> None:
@@ -160,6 +163,7 @@ class FaultWatch:
         was posted first)."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval + 1)
+        self._reaper.join(timeout=2 * self.interval + 1)
         try:
             self.store.set(f"done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
@@ -169,7 +173,9 @@ class FaultWatch:
 
     def post_failure(self, error, *, because_of: int | None = None) -> None:
         """Tell the other ranks this one stops, and why. Never raises: it runs on the way out."""
-        text = " ".join(f"{type(error).__name__}: {error}".split())[:600] if isinstance(error, BaseException) else str(error)
+        if isinstance(error, BaseException):
+            error = " ".join(f"{type(error).__name__}: {error}".split())[:600]
+        text = str(error)
         try:
             seq = self.store.add("failures", 1)
             self.store.set(f"fail/{self.rank}", f"{seq}|{'' if because_of is None else because_of}|{text}")
@@ -217,13 +223,14 @@ class FaultWatch:
             for _, r, because, text in self._failures():
                 if because is None:
                     return r, f"it raised {text}"
-            for _, r, because, text in self._failures():
+            for _, r, because, text in self._failures():  # ranks that stopped because of another
                 if because == self.rank:
                     return r, "it gave up waiting for this rank, which had not joined its collective"
-                return r, f"it stopped ({text})"
+                return because, text  # the rank it blames, and why (a third rank's view)
             return self._dead(time.monotonic())
         except Exception as e:  # noqa: BLE001
-            return (0 if self.store_host == "rank 0" else -1), f"the rendezvous store hosted by {self.store_host} is gone ({e})"
+            host = 0 if self.store_host == "rank 0" else -1
+            return host, f"the rendezvous store hosted by {self.store_host} is gone ({e})"
 
     def wait_for_culprit(self, error) -> tuple | None:
         """After a collective failed on this rank: the peer at fault, waiting for the watch to see
@@ -256,7 +263,7 @@ class FaultWatch:
     # -- the thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
-        deadline = None
+        """Beat, publish, look for a failed peer; `_reap` acts on what this finds."""
         while not self._stop.wait(self.interval):
             try:
                 self.store.add(f"beat/{self.rank}", 1)
@@ -266,8 +273,21 @@ class FaultWatch:
             if self.failure is None:
                 self.failure = self.culprit() or self._stuck()
                 if self.failure is not None:
-                    deadline = time.monotonic() + self.grace
-            elif time.monotonic() >= deadline:
+                    self._deadline = time.monotonic() + self.grace
+            self._last_round = time.monotonic()
+
+    def _reap(self) -> None:
+        """End the process once the grace after a failure has passed, or once the watch thread
+        has been stuck in a store call for `timeout` + `grace` (a store whose host died can block
+        a client for good). Never touches the store itself."""
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            if self._deadline is not None and now >= self._deadline:
+                self.exit_now()
+            if now - self._last_round > self.timeout + self.grace:
+                host = 0 if self.store_host == "rank 0" else -1
+                self.failure = self.failure or (host, f"the rendezvous store hosted by {self.store_host} stopped "
+                                                      f"answering for {now - self._last_round:.0f} s")  # fmt: skip
                 self.exit_now()
 
     def _stuck(self) -> tuple | None:
@@ -290,9 +310,14 @@ class FaultWatch:
         return f"rank {self.rank} stopped at {WHERE.describe()} because {who} failed: {reason}. {last}"
 
     def exit_now(self) -> None:
-        """End this process with the failure's message (its main thread is blocked)."""
-        self.post_failure(self.message(), because_of=self.failure[0] if self.failure[0] is not None else self.rank)
+        """End this process with the failure's message (its main thread is blocked). The others
+        are told too, for at most a second: the store may be what failed."""
+        rank, reason = self.failure
         print(f"trainer_shard: error: {self.message()}", file=sys.stderr, flush=True)
+        post = threading.Thread(target=self.post_failure, args=(reason,),
+                                kwargs={"because_of": rank if rank is not None else self.rank}, daemon=True)  # fmt: skip
+        post.start()
+        post.join(timeout=1.0)
         os._exit(EXIT_PEER_FAILED)
 
 

@@ -59,9 +59,9 @@ from . import faults
 from .checkpoint import (
     STAGING,
     check_writable,
-    describe_os_error,
-    is_write_error,
+    describe_write_error,
     format_bytes,
+    is_write_error,
     manifest_problems,
     publish,
     save_model,
@@ -195,7 +195,7 @@ class ShardedTrainerMixin:
         if found is None:
             watch.post_failure(error)
             return error
-        watch.post_failure(f"stopped because rank {found[0]} failed", because_of=found[0])
+        watch.post_failure(found[1], because_of=found[0])  # the others learn the job is over, and why
         return faults.PeerFailedError(found[0], watch.message(found))
 
     def _check_output_room(self) -> None:
@@ -448,7 +448,7 @@ class ShardedTrainerMixin:
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
             if not isinstance(e, OSError) and not is_write_error(e):
                 raise
-            self._save_failure = self._save_failure or describe_os_error(e, staging)
+            self._save_failure = self._save_failure or describe_write_error(e, staging)
         finally:
             self._staging = False
         # every rank's files are written, or who failed and why
@@ -465,7 +465,7 @@ class ShardedTrainerMixin:
                 write_manifest(staging, {**(self._model_files or {}), **self._write_shard_index(outcomes)})
                 publish(staging, final)
             except OSError as e:
-                failure = describe_os_error(e, staging)
+                failure = describe_write_error(e, staging)
         # nobody goes on before the checkpoint is in place
         self._raise_if_save_failed([(f, None) for f in comm.all_gather_objects(failure)], name, staging)
         if self.args.should_save:
@@ -537,11 +537,12 @@ class ShardedTrainerMixin:
             torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         except OSError as e:
             if not getattr(self, "_staging", False):
-                raise CheckpointError(f"the model could not be saved to {output_dir!r}: {describe_os_error(e, output_dir)}; "
-                                      "free space there or pass another --output_dir") from None  # fmt: skip
+                raise CheckpointError(f"the model could not be saved to {output_dir!r}: "
+                                      f"{describe_write_error(e, output_dir)}; free space there or pass another "
+                                      "--output_dir") from None  # fmt: skip
             # inside a checkpoint: the other ranks go on to the Trainer's barrier; every rank
             # learns of it at _save_checkpoint's gather (raising here would leave them waiting)
-            self._save_failure = describe_os_error(e, output_dir)
+            self._save_failure = describe_write_error(e, output_dir)
 
     def evaluation_loop(self, *args, **kwargs):
         # Seq2SeqTrainer.evaluate/predict (transformers 5.x) switch the gather to

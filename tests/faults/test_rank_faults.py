@@ -6,7 +6,6 @@ The ranks are started by hand (as on two machines, where no launcher stops the s
 under torchrun (which stops them itself, with SIGTERM).
 """
 
-import os
 import signal
 import subprocess
 import sys
@@ -23,13 +22,13 @@ from trainer_shard.checkpoint import manifest_problems
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 
-def launch_by_hand(args, env):
-    """Two ranks started as two machines would start them: no agent watches over them."""
+def launch_by_hand(args, env, nproc=2):
+    """Ranks started as separate machines would start them: no agent watches over them."""
     port = str(free_port())
     procs = []
-    for rank in range(2):
+    for rank in range(nproc):
         rank_env = {**script_env(), **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank),
-                    "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+                    "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}  # fmt: skip
         procs.append(subprocess.Popen([sys.executable, str(INJECT), *map(str, args)], cwd=ROOT, env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
@@ -98,3 +97,14 @@ def test_under_torchrun_a_killed_rank_is_named_and_the_run_resumes_exactly(tiny_
     assert_ok(resumed)
     final = load_file(out / "model.safetensors")
     assert all(torch.equal(final[k], straight[k]) for k in straight), "the resumed run differs from the straight one"
+
+
+def test_with_three_ranks_every_survivor_names_the_one_that_died(tiny_model, tiny_data, tmp_path):
+    """Rank 2 killed: ranks 0 and 1 both blame it, though one of them may first hear of it from
+    the other (a stopping rank passes on whom it blames)."""
+    out = tmp_path / "out"
+    procs = launch_by_hand(flags(tiny_model, tiny_data, out), {"FAULT": "kill", "FAULT_RANK": "2"}, nproc=3)
+    results = finish(procs)
+    assert results[2][0] == -signal.SIGKILL
+    for rank, (code, output, _) in enumerate(results[:2]):
+        assert code == 3 and "because rank 2 failed" in output, f"rank {rank}: exit {code}\n{output[-3000:]}"

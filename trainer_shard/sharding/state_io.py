@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..checkpoint import Chunked, SafetensorsFile, describe_os_error, file_problems, save_safetensors
+from ..checkpoint import Chunked, SafetensorsFile, describe_write_error, file_problems, save_safetensors
 from ..errors import CheckpointError
 
 FOLDER = "optimizer_shards"
@@ -87,7 +87,7 @@ def write_shard(optimizer, folder, names: dict):
         folder.mkdir(parents=True, exist_ok=True)
         return save_safetensors(tensors, folder / rank_file(optimizer.rank, optimizer.world_size))
     except OSError as e:
-        return describe_os_error(e)
+        return describe_write_error(e)
 
 
 def write_index(optimizer, folder, names: dict, files: dict) -> None:
