@@ -127,12 +127,12 @@ class DiskStore:
         parent = self.folder.parent
         # Ranks close in any order: whichever finds no rank folder left removes the folder a rank
         # created (marked); a folder the user made stays.
-        if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
-            try:
+        try:
+            if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
                 (parent / _MADE_HERE).unlink(missing_ok=True)
                 parent.rmdir()
-            except OSError:
-                pass  # another rank got there first, or a file appeared
+        except OSError:
+            pass  # another rank got there first (even between the two checks), or a file appeared
 
 
 _MADE_HERE = ".made-by-trainer_shard"
