@@ -11,8 +11,10 @@ that lost power, NCCL). `FaultWatch` bounds that wait and names the rank at faul
   because of a peer says so too, so that a peer stuck outside the collectives learns it;
 - a peer is dead when its process is gone (same machine) or its beat has stopped for `timeout`;
 - once the watch knows a peer failed, the main thread has `grace` seconds to leave through its
-  own error (gloo reports a closed connection at once); after that the watch prints the reason
-  and ends the process (`EXIT_PEER_FAILED`), since a thread cannot interrupt a blocked collective.
+  own error (gloo reports a closed connection at once); after that a second thread, the reaper,
+  prints the reason and ends the process (`EXIT_PEER_FAILED`), since a thread cannot interrupt a
+  blocked collective. The reaper never calls the store: a client of a store whose host died can
+  block for good (it also ends the process when the watch thread has been stuck that long).
 
 So every rank exits within `timeout` + `grace` seconds of a peer's failure, naming it; the
 Trainer uses `--ddp_timeout` as `timeout` (and as the process group's own timeout). The store
