@@ -267,10 +267,6 @@ def existing_parent(path) -> Path:
     return path
 
 
-def free_bytes(path) -> int:
-    return shutil.disk_usage(existing_parent(path)).free
-
-
 def describe_write_error(error: Exception, folder=None) -> str:
     """`[Errno 28] No space left on device` -> what failed, where, and the room left there.
     `folder`: where the writing went, for errors that name no file (torch.save's)."""

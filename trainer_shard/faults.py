@@ -30,7 +30,6 @@ itself: that one does not count).
 """
 
 import contextlib
-import logging
 import os
 import signal
 import socket
@@ -41,8 +40,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 EXIT_PEER_FAILED = 3  # a rank stopped because another one failed (2: a user's mistake)
 FORCE_AFTER = 2.0  # seconds between two signals for the second to stop the process at once
@@ -222,10 +219,11 @@ class FaultWatch:
         if self.failure is not None:
             return self.failure
         try:
-            for _, r, because, text in self._failures():
+            failures = self._failures()
+            for _, r, because, text in failures:
                 if because is None:
                     return r, f"it raised {text}"
-            for _, r, because, text in self._failures():  # ranks that stopped because of another
+            for _, r, because, text in failures:  # ranks that stopped because of another
                 if because == self.rank:
                     return r, "it gave up waiting for this rank, which had not joined its collective"
                 return because, text  # the rank it blames, and why (a third rank's view)

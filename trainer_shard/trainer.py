@@ -65,6 +65,7 @@ from .checkpoint import (
     manifest_problems,
     publish,
     save_model,
+    unique_state_dict,
     write_manifest,
 )
 from .config import apply as config_apply
@@ -209,11 +210,7 @@ class ShardedTrainerMixin:
     def _checkpoint_bytes(self, with_optimizer: bool = True) -> int:
         """About what a checkpoint of this run writes: the weights, and the optimizer's state."""
         model = self.accelerator.unwrap_model(self.model)
-        seen, total = set(), 0
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        total = sum(t.numel() * t.element_size() for t in unique_state_dict(model).values())  # what save_model writes
         if not with_optimizer or self.args.save_only_model:
             return total
         states = self._state_tensors()
