@@ -27,8 +27,8 @@ On a CUDA machine the same command enforces the budget on the GPU instead, with
 `torch.cuda.max_memory_allocated`; here, without a GPU, that path is skipped, and the budget
 is CPU RAM per rank, where offloading to "CPU" moves nothing out of that memory: the CPU-offload
 rows gain from the 16-bit parameters and gradient shard they keep, not from the move.
-Runs in bench/.venv (DeepSpeed for the peer rows); about 90 minutes on 2 cores, the
-pre-training included (17 of them, once; later runs reuse it).
+Runs in bench/.venv (DeepSpeed for the peer rows); about 55 minutes on 2 cores, the
+pre-training included (19 of them, once; later runs reuse it).
 """
 
 import argparse
@@ -227,8 +227,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=2048, help="training samples of the timed run")
     parser.add_argument("--n_val", type=int, default=500)
     parser.add_argument("--lr", default="1e-4", help="learning rate of the rows' fine-tuning")
-    parser.add_argument("--pretrain_samples", type=int, default=24576, help="samples of the one pre-training run")
-    parser.add_argument("--pretrain_lr", default="2e-3", help="learning rate of the pre-training run")
+    parser.add_argument("--pretrain_samples", type=int, default=32768, help="samples of the one pre-training run")
+    parser.add_argument("--pretrain_lr", default="1e-3", help="learning rate of the pre-training run")
     args = parser.parse_args()
     ensure_env()
     if Path(sys.prefix).resolve() != VENV.resolve():
