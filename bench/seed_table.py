@@ -73,8 +73,9 @@ def ensure_pretrained(samples: int, lr: str) -> dict:
     recipe = {"samples": samples, "batch_per_rank": 16, "lr": lr, "warmup_steps": 100, "dropout_rate": 0.0,
               "seed": 1234, "strategy": "DDP (transformers Trainer), --bf16"}  # fmt: skip
     record = PRETRAINED / "pretrain.json"
-    if record.exists() and json.loads(record.read_text())["recipe"] == recipe:
-        return json.loads(record.read_text())
+    done = json.loads(record.read_text()) if record.exists() else {}
+    if done.get("recipe") == recipe:
+        return done
     start = WORK / "t5-small-nodropout"
     start.mkdir(parents=True, exist_ok=True)
     for item in MODEL.iterdir():
@@ -82,10 +83,11 @@ def ensure_pretrained(samples: int, lr: str) -> dict:
             (start / item.name).symlink_to(item)
     config = json.loads((MODEL / "config.json").read_text())
     (start / "config.json").write_text(json.dumps({**config, "dropout_rate": 0.0}, indent=1))
-    steps = max(1, samples // 32)
+    batch = recipe["batch_per_rank"]
+    steps = max(1, samples // (2 * batch))
     print(f"pre-training the checkpoint the rows fine-tune: {samples} samples, plain DDP --bf16", flush=True)
     flags = ["--do_train", "--do_eval", "--predict_with_generate", "--max_steps", str(steps), "--n_val", "200",
-             "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "32", "--eval_beams", "1",
+             "--per_device_train_batch_size", str(batch), "--per_device_eval_batch_size", "32", "--eval_beams", "1",
              "--learning_rate", recipe["lr"], "--warmup_steps", str(recipe["warmup_steps"]), "--logging_steps", "50",
              "--bf16", "--seed", str(recipe["seed"])]  # fmt: skip
     ok, seconds, _ = launch("ddp", PRETRAINED, flags, timeout=4 * 3600, model=start)
