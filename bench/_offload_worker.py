@@ -48,12 +48,22 @@ def adam(row: str, numel: int, repeats: int = 7) -> dict:
 
     ours_bf16: the offload engine from a bf16 gradient shard (the default: upcast per chunk);
     ours_fp32: the offload engine from an fp32 gradient shard (data_types.grad_accum_dtype fp32);
-    deepspeed: DeepSpeedCPUAdam from an fp32 gradient, then the copy of the updated fp32
-    weights into the bf16 parameters that ZeRO-Offload makes after it (timed apart too).
+    deepspeed: what DeepSpeed 0.19's ZeRO-1/2 step does to a CPU-offloaded partition
+    (runtime/zero/stage_1_and_2.py, `step`, the `cpu_offload` branch): `unscale_and_clip_grads`
+    multiplies the fp32 gradient partition by 1 / (clip * loss scale), DeepSpeedCPUAdam steps, the
+    fp32 partition is copied into a 16-bit buffer and that buffer into the 16-bit parameters (the
+    copies are timed apart too).
+    A row ending in `_noclip` runs without gradient clipping (max_grad_norm 0 / gradient_clipping
+    0); the others clip at 1.0, the Trainer's default, which a config's "gradient_clipping": "auto"
+    passes to DeepSpeed. With clipping on, DeepSpeed makes its multiplication every step (its
+    clip factor is clamped at 1, never skipped); trainer_shard applies a coefficient below 1 inside
+    the fused kernel (its grad_scale). The gradient norm itself is computed before the timer on
+    both sides (trainer_shard's `clip_grad_norm`, DeepSpeed's `scaled_global_norm`).
     Gradients are in place before the timer starts, as backward leaves them.
     """
     torch.manual_seed(0)
     hyper = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    clip = 0.0 if row.endswith("_noclip") else 1.0
     params16 = torch.randn(numel).to(torch.bfloat16)
     extra = {}
     if row.startswith("ours"):
@@ -61,7 +71,7 @@ def adam(row: str, numel: int, repeats: int = 7) -> dict:
         from trainer_shard.sharding import ShardedOptimizer
 
         param = torch.nn.Parameter(params16)
-        grad_dtype = torch.float32 if row == "ours_fp32" else torch.bfloat16
+        grad_dtype = torch.float32 if row.startswith("ours_fp32") else torch.bfloat16
         opt = ShardedOptimizer([param], optim=torch.optim.AdamW, stage=2, offload=OffloadSpec("cpu"),
                                grad_dtype=grad_dtype, **hyper)  # fmt: skip
         grad = torch.randn(numel).to(grad_dtype)
@@ -70,6 +80,8 @@ def adam(row: str, numel: int, repeats: int = 7) -> dict:
             opt.flats[0].grad.copy_(grad)  # the reduced gradient shard, as backward leaves it
             opt.flats[0].stale = set()
             opt._grads_ready = True
+            if clip:
+                opt.clip_grad_norm(clip)  # the norm, as the Trainer computes it before the step
 
         def step():
             opt.step()
@@ -77,20 +89,29 @@ def adam(row: str, numel: int, repeats: int = 7) -> dict:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         param = torch.nn.Parameter(params16.float())
-        param.grad = torch.randn(numel)
+        grad = torch.randn(numel)
+        param.grad = grad.clone()
+        buffer16 = torch.zeros(numel, dtype=torch.bfloat16)
         opt = DeepSpeedCPUAdam([param], adamw_mode=True, **hyper)
-        copies = []
+        norm = float(torch.linalg.vector_norm(grad, dtype=torch.float64))
+        combined_scale = max((norm + 1e-6) / clip, 1.0) if clip else 1.0  # loss scale 1 (bf16)
+        copies, adams = [], []
 
         def prepare():
-            pass
+            param.grad.copy_(grad)
 
         def step():
-            opt.step()
+            if clip:  # unscale_and_clip_grads returns early only when clip_grad == 0 and loss_scale == 1
+                param.grad.mul_(1.0 / combined_scale)
             started = time.perf_counter()
-            params16.copy_(param.data)  # ZeRO-Offload then copies the fp32 partition into the 16-bit parameters
+            opt.step()
+            adams.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            buffer16.copy_(param.data)  # fp32 partition -> the 16-bit CPU buffer
+            params16.copy_(buffer16)  # -> the 16-bit parameter partition
             copies.append(time.perf_counter() - started)
 
-        extra = {"copy_times": copies}
+        extra = {"copy_times": copies, "adam_times": adams}
     prepare()
     step()  # warm-up (first-step state, DeepSpeed's op build)
     times = []
@@ -99,9 +120,10 @@ def adam(row: str, numel: int, repeats: int = 7) -> dict:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    result = {"numel": numel, "step_times": times, "median_step_s": median(times), "peak_rss_bytes": peak_rss()}
+    result = {"numel": numel, "clip": clip, "step_times": times, "median_step_s": median(times), "peak_rss_bytes": peak_rss()}
     if extra:
         result["median_copy_s"] = median(extra["copy_times"][1:])
+        result["median_adam_s"] = median(extra["adam_times"][1:])
     return result
 
 

@@ -17,12 +17,12 @@ def spec(kind, tmp, chunk=97, buffers=2):
     return OffloadSpec("nvme", nvme_path=str(tmp), chunk_numel=chunk, buffer_count=buffers)
 
 
-def train(rank, offload, *, stage=2, dtype=torch.float32, optim=torch.optim.AdamW, ddp=False, **hyper):
+def train(rank, offload, *, stage=2, dtype=torch.float32, optim=torch.optim.AdamW, ddp=False, clip=0.5, **hyper):
     model = make_model(dtype=dtype)
     hyper = hyper or {"lr": 3e-2, "fused": True}
     opt = ShardedOptimizer(groups(model), optim=optim, stage=stage, bucket_numel=300, offload=offload, **hyper)
     wrapped = DDP(model) if ddp else model
-    losses = run_steps(wrapped, opt, rank, steps=4, accumulation=2, clip=0.5, sharded=True)
+    losses = run_steps(wrapped, opt, rank, steps=4, accumulation=2, clip=clip, sharded=True)
     return model, opt, losses
 
 
@@ -32,16 +32,20 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("kind", ["cpu", "nvme"])
 @pytest.mark.parametrize("chunk,buffers", [(97, 1), (64, 2), (10_000, 4)])
-def test_one_process_offload_equals_no_offload(tmp_path, kind, chunk, buffers):
+@pytest.mark.parametrize("clip", [0.5, None])
+def test_one_process_offload_equals_no_offload(tmp_path, kind, chunk, buffers, clip):
     """Chunks that cut through buckets and parameters, one or several buffer sets: the same step.
 
-    Bit for bit when chunks are a multiple of the vector width; a ragged chunk (97) moves a few
-    elements from torch's vectorized loop to its scalar tail: at most an ulp (measured 1.5e-8).
+    Without clipping, bit for bit when chunks are a multiple of the vector width; a ragged chunk
+    (97) moves a few elements from torch's vectorized loop to its scalar tail: at most an ulp
+    (measured 1.5e-8). With clipping, the offloaded kernel divides by 1 / the coefficient (its
+    `grad_scale`) where the reference multiplies by it: an ulp apart (measured 2.4e-7 after 4 steps).
     """
-    reference, ref_opt, ref_losses = train(0, None)
-    model, opt, losses = train(0, spec(kind, tmp_path / "store", chunk, buffers))
+    reference, ref_opt, ref_losses = train(0, None, clip=clip)
+    model, opt, losses = train(0, spec(kind, tmp_path / "store", chunk, buffers), clip=clip)
     assert losses == ref_losses  # loss and clipped grad norm at every step
-    assert max_diff(model, reference) <= (1e-6 if chunk % 16 else 0.0)
+    assert max_diff(model, reference) <= (1e-6 if chunk % 16 or clip else 0.0)
+    assert max_diff(model, make_model()) > 1e-3  # the steps moved the weights
     saved, expected = opt.state_dict(), ref_opt.state_dict()
     assert sorted(saved["inner"][0]) == ["exp_avg", "exp_avg_sq", "step"]
     ref_state = [ref_opt.optim.state[v]["exp_avg_sq"] for v in ref_opt.flats[0].master_views]

@@ -46,7 +46,9 @@ def run_steps(model, opt, rank, *, steps=4, accumulation=2, clip=0.5, sharded=Fa
             loss = loss_fn(model, batch(rank, step, micro)) / accumulation
             loss.backward()
             total += loss.item()
-        if sharded:
+        if clip is None:
+            norm = 0.0
+        elif sharded:
             norm = opt.clip_grad_norm(clip)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -19,8 +19,10 @@ One step of a flat group's shard, chunk by chunk:
   chunk by chunk with the same result as stepping the whole shard at once: its per-element
   state ("exp_avg", "momentum_buffer"...) is found by stepping a probe tensor once, and its
   scalar state ("step") is kept once per flat group and handed to every chunk.
-- Gradient factors (1/loss scale, the clipping coefficient) are applied to the fp32 chunk, in
-  order, so the 16-bit gradient shard is never rescaled in its own precision.
+- Gradient factors (1/loss scale, the clipping coefficient) are never applied to the 16-bit
+  gradient shard in its own precision. The fused kernel takes their product as its `grad_scale`
+  (it divides each gradient by it as it reads it), so clipping costs no pass over the shard of
+  its own; other optimizers get them multiplied into each fp32 chunk, in order.
 - Disk store: a reader thread loads chunk i+1 and a writer thread writes chunk i-1 back while
   chunk i is stepped; `buffer_count` sets of chunk buffers are all the RAM it costs.
 - CUDA: gradients come to pinned staging buffers and updated parameters go back on a side
@@ -88,6 +90,22 @@ def _fused_kernel(optim_class, hyper: dict):
         return None
     decoupled = optim_class is torch.optim.AdamW or bool(hyper.get("decoupled_weight_decay", False))
     return torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+
+def _grad_scale(factors) -> torch.Tensor | None:
+    """What the fused kernel divides the gradients by to apply `factors`: 1 / their product.
+
+    None (the factors are then multiplied into each chunk) when there are none, or when the
+    product is 0 or its inverse overflows. The kernel writes the divided gradient back into the
+    chunk it read, as clipping in place does to `.grad` without offload."""
+    if not factors:
+        return None
+    product = 1.0
+    for factor in factors:
+        product *= float(factor)
+    if product == 0.0 or not abs(1.0 / product) <= torch.finfo(torch.float32).max:  # also NaN, inf
+        return None
+    return torch.tensor(1.0 / product, dtype=torch.float32)
 
 
 def _cpu_defaults(optim_class, hyper: dict) -> dict:
@@ -177,6 +195,9 @@ class OffloadEngine:
             writes = {}
         link.fetch_grad(flat.grad, *ranges[0], 0)
         kernel = _fused_kernel(self.optim_class, hyper)
+        grad_scale = _grad_scale(factors) if kernel is not None else None
+        if grad_scale is not None:
+            factors = ()  # the kernel applies them
         if kernel is not None:
             fresh = self.scalars[index] is None
             step = torch.zeros((), dtype=torch.float32) if fresh else self.scalars[index]["step"].clone()
@@ -201,7 +222,7 @@ class OffloadEngine:
             if i + 1 < len(ranges):
                 link.fetch_grad(flat.grad, *ranges[i + 1], (i + 1) % slots)
             if kernel is not None:
-                self._fused_chunk(kernel, chunk, grad, step, hyper, fresh)
+                self._fused_chunk(kernel, chunk, grad, step, hyper, fresh, grad_scale)
             else:
                 new_scalars = self._step_chunk(index, chunk, grad)
             link.put_params(flat, start, chunk["master"], slot)
@@ -215,7 +236,8 @@ class OffloadEngine:
         link.end()
         self.scalars[index] = new_scalars
 
-    def _fused_chunk(self, kernel, chunk: dict, grad: torch.Tensor, step: torch.Tensor, hyper: dict, fresh: bool) -> None:
+    def _fused_chunk(self, kernel, chunk: dict, grad: torch.Tensor, step: torch.Tensor, hyper: dict, fresh: bool,
+                     grad_scale: torch.Tensor | None) -> None:
         if fresh:  # step 1 starts from zero moments, whatever the store holds
             for name in self.state_names:
                 chunk[name].zero_()
@@ -226,7 +248,7 @@ class OffloadEngine:
             [chunk["max_exp_avg_sq"]] if amsgrad else [], [step],
             amsgrad=amsgrad, lr=float(hyper["lr"]), beta1=float(betas[0]), beta2=float(betas[1]),
             weight_decay=float(hyper.get("weight_decay", 0.0)), eps=float(hyper.get("eps", 1e-8)),
-            maximize=bool(hyper.get("maximize", False)),
+            maximize=bool(hyper.get("maximize", False)), grad_scale=grad_scale,
         )  # fmt: skip
 
     def _step_chunk(self, index: int, chunk: dict, grad: torch.Tensor) -> dict:
