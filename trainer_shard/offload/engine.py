@@ -29,8 +29,8 @@ One step of a flat group's shard, chunk by chunk:
   stream, so host-device copies overlap the CPU step (see `_DeviceLink`).
 """
 
-import bisect
 import logging
+import math
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,9 +100,7 @@ def _grad_scale(factors) -> torch.Tensor | None:
     chunk it read, as clipping in place does to `.grad` without offload."""
     if not factors:
         return None
-    product = 1.0
-    for factor in factors:
-        product *= float(factor)
+    product = math.prod(float(factor) for factor in factors)
     if product == 0.0 or not abs(1.0 / product) <= torch.finfo(torch.float32).max:  # also NaN, inf
         return None
     return torch.tensor(1.0 / product, dtype=torch.float32)
@@ -195,10 +193,11 @@ class OffloadEngine:
             writes = {}
         link.fetch_grad(flat.grad, *ranges[0], 0)
         kernel = _fused_kernel(self.optim_class, hyper)
-        grad_scale = _grad_scale(factors) if kernel is not None else None
-        if grad_scale is not None:
-            factors = ()  # the kernel applies them
+        grad_scale = None
         if kernel is not None:
+            grad_scale = _grad_scale(factors)
+            if grad_scale is not None:
+                factors = ()  # the kernel applies them
             fresh = self.scalars[index] is None
             step = torch.zeros((), dtype=torch.float32) if fresh else self.scalars[index]["step"].clone()
             step += 1  # once per optimizer step, as torch.optim does before its fused call

@@ -25,6 +25,7 @@ same order, or the job hangs.
 import contextlib
 import inspect
 import logging
+import math
 from collections import defaultdict
 
 import torch
@@ -198,10 +199,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             flat.grad.mul_(factor)
 
     def _pending_factor(self) -> float:
-        product = 1.0
-        for factor in self._grad_factors:
-            product *= float(factor)
-        return product
+        return math.prod(float(factor) for factor in self._grad_factors)
 
     def _device(self):
         return self.flats[0].grad.device
