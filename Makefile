@@ -1,4 +1,5 @@
 # Two commands on a fresh machine:  make demo  and  make test  (each installs first).
+# make test-fast: the unit and single-process tests only (no multi-process or end-to-end runs), for the inner loop.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +14,7 @@ export HF_DATASETS_OFFLINE := 1
 export HF_EVALUATE_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install demo demo-data demo-model test clean
+.PHONY: install demo demo-data demo-model test test-fast clean
 
 install: $(STAMP)
 
@@ -39,8 +40,13 @@ demo-model: $(DEMO_MODEL)/config.json
 demo: install demo-model
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 scripts/finetune_trainer.py configs/demo.json
 
+# everything: what CI runs
 test: install
 	$(PY) -m pytest
+
+# unit and single-process tests: the markers are declared in setup.cfg
+test-fast: install
+	$(PY) -m pytest -m "not multiproc and not slow"
 
 clean:
 	rm -rf output/demo $(DEMO_DATA) $(DEMO_MODEL)

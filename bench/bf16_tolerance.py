@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from _results import write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / ".venv" / "bin" / "python"
 WORK = ROOT / "bench" / "work" / "bf16_tolerance"
@@ -77,7 +79,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['train_loss']:.4f} | {r['eval_loss']:.4f} | {r['eval_loss_vs_base']:+.4f} "
                      f"| {r['max_weight_diff']:.3g} | {r['mean_weight_diff']:.3g} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
-    (RESULTS / "bf16_tolerance.md").write_text(text)
+    write_markdown(RESULTS / "bf16_tolerance.md", text)
     print(text)
 
 

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from _results import write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "bench" / "work"
 MODEL = WORK / "t5-large-arch"
@@ -71,7 +73,7 @@ def main() -> None:
             f"(bf16 model, fp32 master + Adam moments in 2 shards). `trainer-shard consolidate` -> fp32 safetensors, "
             f"2 GB files ({out_size / 2**30:.2f} GiB): peak RSS {peak / 2**20:.0f} MiB = {peak / size:.3f}x the checkpoint, "
             f"{seconds:.1f} s. The checkpoint then resumed on 1 process (2 -> 1) to step {state['global_step']}.\n")  # fmt: skip
-    (RESULTS / "consolidate.md").write_text(text)
+    write_markdown(RESULTS / "consolidate.md", text)
     print(text)
     subprocess.run(["rm", "-rf", str(OUT)], check=True)
 

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _results import write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DATA = ROOT / "data" / "demo_en_ro" / "test.source"
@@ -98,7 +100,7 @@ def main() -> None:
         f"| loaded whole | - | {whole['peak_rss_bytes'] / gib:.2f} | {whole['peak_rss_bytes'] / size:.2f}x | "
         f"{whole['s_per_token']:.2f} |\n\nGreedy token ids of the two identical (checked in a third process): {same}.\n"
     )  # fmt: skip
-    (RESULTS / "inference.md").write_text(text)
+    write_markdown(RESULTS / "inference.md", text)
     print(text)
 
 

@@ -25,6 +25,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run, train_flags  # noqa: E402
+from _results import write_markdown  # noqa: E402
 
 MODEL = WORK / "t5-large-arch"
 # the optimizer-step rows (see _offload_worker.adam): clipped at 1.0 (the default) and unclipped
@@ -213,7 +214,7 @@ def main() -> None:
     commands = f"`{train_command}`" if train_command == command.strip() else \
         f"`{train_command}` (training rows), then `{command.strip()}` (optimizer-step rows)"  # fmt: skip
     text = f"# Offload benchmark\n\nCommand: {commands}\n\n" + table(results, adam, args)
-    (RESULTS / "offload.md").write_text(text)
+    write_markdown(RESULTS / "offload.md", text)
     print(text)
 
 

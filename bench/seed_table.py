@@ -45,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sharding import DATA, MODEL, PY, RESULTS, ROOT, VENV, WORK, ensure_env, ensure_model  # noqa: E402
+from _results import write_markdown  # noqa: E402
 
 ROWS = {
     "ddp": ("baseline: DDP, fp32", []),
@@ -205,7 +206,7 @@ def write(results: dict, args, pretrained: dict) -> str:
         cells = [f"{t['train_s']:.0f}", f"{t['eval_s']:.0f}", f"{t['bleu']:.2f}"] if "bleu" in t else [t.get("skipped", "-"), "", ""]
         lines.append(f"| {name} | {r['largest_batch']} | {ratio} | {peak / gib if peak else 0:.2f} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
-    (RESULTS / "seed_table.md").write_text(text)
+    write_markdown(RESULTS / "seed_table.md", text)
     (RESULTS / "seed_table.json").write_text(json.dumps({"args": vars(args), "pretrained": pretrained, "rows": results}, indent=1))
     chart(results)
     return text

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+from _results import write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / ".venv"
 PY = VENV / "bin" / "python"
@@ -231,7 +233,7 @@ def main() -> None:
 def report(results: list, args) -> None:
     command = " ".join(a for a in sys.argv[1:] if a != "--render")
     text = f"# Sharding benchmark\n\nCommand: `python bench/sharding.py {command}`\n\n" + table(results, args)
-    (RESULTS / "sharding.md").write_text(text)
+    write_markdown(RESULTS / "sharding.md", text)
     plot(results, RESULTS / "sharding.png")
     print(text)
 

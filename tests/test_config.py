@@ -155,6 +155,7 @@ def test_keys_that_would_do_nothing_are_refused(tmp_path, data, flags, fragment)
         training_args(tmp_path, offload=str(write(tmp_path, data)), **flags)
 
 
+@pytest.mark.slow
 def test_validate_config_command(tmp_path):
     exe = Path(sys.executable).with_name("trainer-shard")
     ok = subprocess.run([exe, "validate-config", CONFIGS / "offload_disk.json"], capture_output=True, text=True)

@@ -68,6 +68,7 @@ def test_auto_refuses_what_it_would_override(tmp_path):
         ShardedSeq2SeqTrainingArguments(**base, sharded_ddp="auto offload")
 
 
+@pytest.mark.slow
 def test_estimate_command_prints_every_strategy(tiny_model):
     proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--world_size",
                            "2", "--precision", "bf16", "--no_probe", "--max_memory", "24GiB", "--batch_size", "4"],
