@@ -26,6 +26,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
 from trainer_shard import ShardedSeq2SeqTrainer
+from trainer_shard.dtypes import half_dtype, precision
 from trainer_shard.errors import TrainerShardError
 from trainer_shard.faults import EXIT_PEER_FAILED, PeerFailedError, TrainingInterrupted
 from trainer_shard.loading import load_pretrained_lean
@@ -132,9 +133,8 @@ def load_dtype(training_args):
     """Sharded or offloaded mixed precision keeps 16-bit parameters (fp32 masters live in the
     optimizer's shards): load them in 16 bits, never holding an fp32 copy of a big model."""
     explicit = training_args.sharding_enabled and "auto" not in training_args.sharded_ddp  # auto may choose DDP
-    if explicit and (training_args.bf16 or training_args.fp16):
-        return torch.bfloat16 if training_args.bf16 else torch.float16
-    return "auto"
+    half = half_dtype(precision(training_args))
+    return half if explicit and half is not None else "auto"
 
 
 def setup_logging(training_args) -> None:

@@ -52,7 +52,7 @@ def test_offload_from_gpu_matches_no_offload(tmp_path, device, dtype):
     reference, ours = make(dtype), make(dtype)
     ref_opt = ShardedOptimizer(reference.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-2)
     opt = ShardedOptimizer(ours.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-2, offload=spec)
-    assert opt.inner.store.__class__.__name__ != "CpuStore" or opt.inner.store.pinned
+    assert opt.stepper.store.__class__.__name__ != "CpuStore" or opt.stepper.store.pinned
     for _ in range(3):
         x = torch.randn(16, 32, device="cuda", dtype=dtype)
         for model, o in ((reference, ref_opt), (ours, opt)):

@@ -43,8 +43,12 @@ def test_one_process_offload_equals_no_offload(tmp_path, kind, chunk, buffers, c
     """
     reference, ref_opt, ref_losses = train(0, None, clip=clip)
     model, opt, losses = train(0, spec(kind, tmp_path / "store", chunk, buffers), clip=clip)
-    assert losses == ref_losses  # loss and clipped grad norm at every step
-    assert max_diff(model, reference) <= (1e-6 if chunk % 16 or clip else 0.0)
+    exact = not (chunk % 16 or clip)
+    # loss and clipped grad norm at every step: equal where the weights are, else as close as
+    # an ulp of the weights allows (this machine's kernels: 2.4e-7 relative at step 3)
+    flat, ref_flat = [v for pair in losses for v in pair], [v for pair in ref_losses for v in pair]
+    assert flat == ref_flat if exact else flat == pytest.approx(ref_flat, rel=1e-6)
+    assert max_diff(model, reference) <= (0.0 if exact else 1e-6)
     assert max_diff(model, make_model()) > 1e-3  # the steps moved the weights
     saved, expected = opt.state_dict(), ref_opt.state_dict()
     assert sorted(saved["inner"][0]) == ["exp_avg", "exp_avg_sq", "step"]
@@ -60,7 +64,7 @@ def test_offload_runs_any_elementwise_optimizer(tmp_path):
     hyper = {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}
     reference, _, _ = train(0, None, optim=torch.optim.SGD, **hyper)
     model, opt, _ = train(0, spec("nvme", tmp_path), optim=torch.optim.SGD, **hyper)
-    assert opt.inner.state_names == ["momentum_buffer"]
+    assert opt.stepper.state_names == ["momentum_buffer"]
     assert max_diff(model, reference) == 0.0
 
 
@@ -68,7 +72,7 @@ def test_offload_bf16_keeps_a_16_bit_gradient_shard_and_fp32_master(tmp_path):
     reference, _, _ = train(0, None, dtype=torch.bfloat16)
     model, opt, _ = train(0, spec("cpu", tmp_path), dtype=torch.bfloat16)
     assert opt.flats[0].grad.dtype == torch.bfloat16 and opt.flats[0].master is None
-    assert opt.inner.store.sizes["0.master"] == opt.flats[0].layout.shard_numel
+    assert opt.stepper.store.sizes["0.master"] == opt.flats[0].layout.shard_numel
     # The only difference from the bf16 run without offload: gradients accumulate in bf16 (as
     # autograd's own .grad does) instead of fp32. Measured here: at most 2 bf16 ulps after 4 steps.
     diff = max_diff(model, reference)
@@ -85,7 +89,7 @@ def test_fp16_loss_scale_unscales_in_fp32(tmp_path):
     loss = model(torch.ones(1, 4, dtype=torch.float16)).sum() * 1e-7
     opt.loss_scaler.scale_loss(loss).backward()
     opt.step()
-    master = opt.inner.master(0)[:4]
+    master = opt.master_shard(0)[:4]
     assert torch.allclose(master, torch.full_like(master, -1e-7), rtol=1e-2), master
 
 

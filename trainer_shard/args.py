@@ -7,8 +7,8 @@ Both are parsed and checked in `__post_init__`, so a bad value stops the run at 
 before any output is written. Every problem is collected and reported at once.
 
 [Note: unbuilt options] The options are the whole planned surface. Those whose engine is not in
-this release are refused with a message saying so, never accepted and ignored:
-`BUILT_OPTIONS` lists what works; a release that adds an engine adds its option there.
+this release are refused with a message saying so, never accepted and ignored: `_NOT_BUILT`
+names them and what each is missing; a release that adds an engine removes its option there.
 """
 
 import difflib
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
+from . import dtypes
 from .errors import ArgumentError
 
 logger = logging.getLogger(__name__)
@@ -38,14 +39,8 @@ class ShardedDDPOption(str, enum.Enum):
 STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3, ShardedDDPOption.AUTO)
 
 # See [Note: unbuilt options].
-BUILT_OPTIONS = frozenset({ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.OFFLOAD,
-                           ShardedDDPOption.AUTO})  # fmt: skip
-
 _NOT_BUILT = {
-    ShardedDDPOption.SIMPLE: "the ZeRO-1 sharded optimizer",
-    ShardedDDPOption.ZERO_DP_2: "the ZeRO-2 sharded optimizer and gradient reducer",
     ShardedDDPOption.ZERO_DP_3: "parameter sharding (ZeRO-3)",
-    ShardedDDPOption.OFFLOAD: "the offload engine",
     ShardedDDPOption.AUTO_WRAP: "parameter sharding (ZeRO-3), which auto_wrap configures",
 }
 
@@ -140,7 +135,7 @@ def _offload_problems(args, options) -> list:
             "and drop 'offload' from --sharded_ddp"
         ]
     from .config import load_config, stage_problems
-    from .config.apply import plan
+    from .config.apply import zero_stage
     from .errors import ConfigError
 
     try:
@@ -164,8 +159,7 @@ def _offload_problems(args, options) -> list:
                 for where, message in stage_problems(loaded, stage, world_size_from_env())]  # fmt: skip
     if problems:
         return problems
-    effective, spec = plan(loaded, stage, world_size_from_env())
-    problems += _apply_config_to_args(args, loaded, effective, spec, path)
+    problems += _apply_config_to_args(args, loaded, zero_stage(loaded, stage), path)
     args.offload_config = loaded
     return problems
 
@@ -179,7 +173,7 @@ def stage_from_options(options):
     return None
 
 
-def _apply_config_to_args(args, config, stage, spec, path) -> list:
+def _apply_config_to_args(args, config, stage, path) -> list:
     """The TrainingArguments side of a config: precision, DDP buckets, and what cannot be honoured."""
     problems = []
     if config.precision in ("bf16", "fp16") and not getattr(args, config.precision):
@@ -195,11 +189,11 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
                             f"elements ({cap_mb} MB) but --ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one")  # fmt: skip
         args.ddp_bucket_cap_mb = cap_mb
     accum = config.grad_accum_dtype
-    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    precision = dtypes.precision(args)
     if accum not in (None, "fp32") and accum != precision:
         problems.append(f"--offload {path}: data_types.grad_accum_dtype is {accum} but the run trains in {precision}; "
                         f"use fp32 or {precision}")  # fmt: skip
-    elif accum not in (None, "fp32") and spec is None:
+    elif accum not in (None, "fp32") and config.offload_device == "none":
         problems.append(f"--offload {path}: data_types.grad_accum_dtype {accum} needs offload (the optimizer steps "
                         "fp32 master shards on the device from an fp32 gradient shard); use fp32 or set "
                         "offload_optimizer.device")  # fmt: skip
@@ -209,11 +203,11 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
         problems.append(f"--offload {path}: fp16.{fp16_settings[0]} sets the sharded optimizer's loss scaler, and this "
                         "run has no sharding (stage 0, no offload): the Trainer's own GradScaler is used; remove it or "
                         "set zero_optimization.stage")  # fmt: skip
-    if spec is not None and spec.device == "nvme":
+    if config.offload_device == "nvme":
         from .offload.store import OffloadStoreError, check_disk_store
 
         try:
-            check_disk_store(spec.nvme_path, 0, 0)  # room is checked once the model's size is known
+            check_disk_store(config.nvme_path, 0, 0)  # room is checked once the model's size is known
         except OffloadStoreError as e:
             problems.append(f"--offload {path}: {e}")
     folder = (config.inference or {}).get("offload_folder")
@@ -224,7 +218,7 @@ def _apply_config_to_args(args, config, stage, spec, path) -> list:
             check_disk_store(folder, 0, 0)
         except OffloadStoreError as e:
             problems.append(f"--offload {path}: inference.offload_folder: {e}")
-    if spec is not None and spec.pin_memory and not has_accelerator():
+    if config.offload_device != "none" and config.pin_memory and not has_accelerator():
         logger.info("--offload %s: pin_memory applies to CUDA host-device copies; this run has no GPU", path)
     return problems
 
@@ -278,14 +272,13 @@ def _peer_problems(args, options) -> list:
 _UNSHARDABLE_OPTIM = ("adafactor", "lomo", "galore", "apollo", "muon", "dion", "schedule_free")
 
 
-def _unbuilt_problems(options, offload) -> list:
-    problems = [
+def _unbuilt_problems(options) -> list:
+    return [
         f"--sharded_ddp {o.value}: {_NOT_BUILT[o]} is not in this release of trainer_shard; "
         "drop the option to train with plain data parallel"
         for o in options
-        if o not in BUILT_OPTIONS
+        if o in _NOT_BUILT
     ]
-    return problems
 
 
 def world_size_from_env() -> int:
@@ -362,7 +355,7 @@ class ShardingArguments:
         problems += _size_problems(self)
         problems += _output_problems(self)
         if not problems:
-            problems = _unbuilt_problems(options, self.offload)
+            problems = _unbuilt_problems(options)
         if problems:
             raise ArgumentError(problems)
         self.sharded_ddp = options

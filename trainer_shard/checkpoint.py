@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .constants import CHUNK_NUMEL
+from .disk import existing_parent, format_bytes, free_bytes, is_writable
 from .errors import CheckpointError
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -54,7 +56,7 @@ class Chunked:
     """A tensor written piece by piece: `read(start, out)` fills `out` with its flattened
     elements [start, start + len(out)). For state that is never whole in memory (a disk store)."""
 
-    def __init__(self, dtype, shape, read, chunk_numel: int = 2**22):
+    def __init__(self, dtype, shape, read, chunk_numel: int = CHUNK_NUMEL):
         self.dtype, self.shape, self.read, self.chunk_numel = dtype, tuple(shape), read, chunk_numel
 
     def numel(self) -> int:
@@ -259,60 +261,14 @@ def save_sharded(tensors: dict, out, limit: int) -> dict:
     return files
 
 
-def existing_parent(path) -> Path:
-    """`path`, or its nearest ancestor that exists (where a folder about to be made would live)."""
-    path = Path(path).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def describe_write_error(error: Exception, folder=None) -> str:
-    """`[Errno 28] No space left on device` -> what failed, where, and the room left there.
-    `folder`: where the writing went, for errors that name no file (torch.save's)."""
-    where = getattr(error, "filename", None) or folder
-    if isinstance(error, OSError):
-        text = f"{error.strerror or error} writing {where or 'a file'}"
-    else:
-        text = f"torch.save could not write into {where}"
-    try:
-        base = existing_parent(where)
-        if os.statvfs(base).f_flag & os.ST_RDONLY:
-            text += " (a read-only filesystem)"
-        else:
-            text += f" ({format_bytes(shutil.disk_usage(base).free)} free there)"
-    except (OSError, TypeError):
-        pass
-    return text
-
-
-_WRITE_FAILURES = ("iostream error", "unexpected pos", "cannot be opened", "file write failed", "No space left",
-                   "Parent directory",
-                   "Read-only file system")  # fmt: skip
-
-
-def is_write_error(error: Exception) -> bool:
-    """Whether a RuntimeError is torch.save's way of saying that a file could not be written."""
-    return any(s in str(error) for s in _WRITE_FAILURES)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
 def check_writable(folder, needed: int, what: str, purpose: str = "") -> None:
     """Raise `CheckpointError` unless `folder` (made or not yet) can take `needed` more bytes
     (`purpose`: for what, said in the message)."""
     base = existing_parent(folder)
-    read_only = bool(os.statvfs(base).f_flag & os.ST_RDONLY) or not os.access(base, os.W_OK | os.X_OK)
-    if read_only:
+    if not is_writable(base):
         raise CheckpointError(f"{what} {str(folder)!r} cannot be written: {str(base)!r} is read-only; point it at a "
                               "writable folder")  # fmt: skip
-    free = shutil.disk_usage(base).free
+    free = free_bytes(base)
     if free < needed:
         raise CheckpointError(f"{what} {str(folder)!r}: {format_bytes(needed)} are needed{purpose} and {str(base)!r} has "
                               f"{format_bytes(free)} free; free space there or point it at a disk with room")  # fmt: skip

@@ -7,13 +7,30 @@ gloo and NCCL both need equal-sized chunks for reduce-scatter and all-gather: ca
 
 [Note: collective calls] Every function here is a collective: all ranks of the group must call
 it, in the same order, with tensors of the same size, or the job hangs.
+
+Each wait is wrapped in the registered wait tracker, `tracker(name)` (a context manager): faults.py
+registers one when it is imported, so that the fault watch can say which collective a rank waits
+in (see [Note: fault watch]); without it, nothing is tracked. This module knows nothing of faults.
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .faults import inside
+_wait_tracker = contextlib.nullcontext
+
+
+def set_wait_tracker(tracker) -> None:
+    """Wrap every wait in a collective in `tracker(name)` from now on (None: no tracking). Looked
+    up at each wait, so it takes effect whenever it is set, before or after this module's use."""
+    global _wait_tracker
+    _wait_tracker = tracker or contextlib.nullcontext
+
+
+def _waiting(name: str):
+    return _wait_tracker(name)
 
 
 def is_distributed(group=None) -> bool:
@@ -50,7 +67,7 @@ class _Then:
 
     def wait(self):
         if not self.done:
-            with inside(self.name):
+            with _waiting(self.name):
                 self.work.wait()
             self.finish()
             self.done = True
@@ -116,7 +133,7 @@ class _All:
         self.works = works
 
     def wait(self):
-        with inside("all_gather"):
+        with _waiting("all_gather"):
             for work in self.works:
                 work.wait()
 
@@ -124,7 +141,7 @@ class _All:
 def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
     """In place; SUM unless `op` says otherwise. See [Note: collective calls]."""
     if is_distributed(group):
-        with record_function("trainer_shard::all_reduce"), inside("all_reduce"):
+        with record_function("trainer_shard::all_reduce"), _waiting("all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group)
     return tensor
 
@@ -132,7 +149,7 @@ def all_reduce(tensor: torch.Tensor, op=None, group=None) -> torch.Tensor:
 def broadcast(tensor: torch.Tensor, src_rank: int = 0, group=None) -> torch.Tensor:
     """`src_rank` is the rank within `group`. See [Note: collective calls]."""
     if is_distributed(group):
-        with record_function("trainer_shard::broadcast"), inside("broadcast"):
+        with record_function("trainer_shard::broadcast"), _waiting("broadcast"):
             dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank) if group else src_rank, group=group)
     return tensor
 
@@ -142,7 +159,7 @@ def all_gather_objects(obj, group=None) -> list:
     if not is_distributed(group):
         return [obj]
     out = [None] * dist.get_world_size(group)
-    with inside("all_gather_object"):
+    with _waiting("all_gather_object"):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -150,5 +167,5 @@ def all_gather_objects(obj, group=None) -> list:
 def barrier(group=None) -> None:
     """Wait for every rank of `group`. See [Note: collective calls]."""
     if is_distributed(group):
-        with inside("barrier"):
+        with _waiting("barrier"):
             dist.barrier(group=group)

@@ -28,6 +28,8 @@ import torch
 
 from .config.load import parse_size as config_parse_size
 from .checkpoint import MANIFEST, Chunked, SafetensorsFile, save_safetensors, save_sharded
+from .constants import CHUNK_NUMEL
+from .dtypes import DTYPES
 from .errors import CheckpointError
 from .sharding import state_io
 
@@ -35,9 +37,6 @@ _NOT_COPIED = re.compile(
     r"^(model.*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?|optimizer.*|scheduler\.pt|"
     r"rng_state.*\.pth|trainer_state\.json|training_args\.bin|scaler\.pt|" + re.escape(MANIFEST) + r")$"
 )
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-CHUNK_NUMEL = 2**22
 
 
 def parse_size(text) -> int:
@@ -74,8 +73,8 @@ class _ModelFiles:
 def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", optimizer: bool = False) -> Path:
     """Write the plain model folder `out` from `checkpoint`. See the module docstring."""
     checkpoint, out = Path(checkpoint), Path(out)
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(set(_DTYPES))}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     limit = parse_size(max_shard_size)
     shards = checkpoint / state_io.FOLDER
     if not shards.is_dir():
@@ -87,7 +86,7 @@ def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", o
     state_io.verify_files(shards, index)
     sources = state_io.ShardSources(shards, index)
     model = _ModelFiles(checkpoint)
-    target = _DTYPES[dtype]
+    target = DTYPES[dtype]
     try:
         unmatched = sorted(set(sources.where) - set(model.weight_map))
         if unmatched:  # their masters would be left out: refuse rather than write lower-precision copies

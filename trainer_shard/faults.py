@@ -41,6 +41,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import comm
+
 EXIT_PEER_FAILED = 3  # a rank stopped because another one failed (2: a user's mistake)
 FORCE_AFTER = 2.0  # seconds between two signals for the second to stop the process at once
 _PREFIX = "trainer_shard/faults"
@@ -91,12 +93,17 @@ WHERE = _Where()
 
 @contextlib.contextmanager
 def inside(collective: str):
-    """Mark this rank as waiting in `collective` (comm.py wraps every collective in it)."""
+    """Mark this rank as waiting in `collective` (comm.py wraps every collective's wait in it)."""
     WHERE.collective, WHERE.since = collective, time.monotonic()
     try:
         yield
     finally:
         WHERE.collective = None
+
+
+# Registered on import: a process that uses the fault watch has imported this module, so its
+# collectives are tracked whichever of comm and faults was imported first.
+comm.set_wait_tracker(inside)
 
 
 def at(step: int | None = None, phase: str | None = None) -> None:

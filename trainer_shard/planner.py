@@ -29,6 +29,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .constants import BUCKET_NUMEL, CHUNK_NUMEL, PRECISIONS
+
 STRATEGIES = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("simple", "cpu"), ("zero_dp_2", "cpu"),
               ("simple", "disk"), ("zero_dp_2", "disk")]  # fmt: skip
 # --sharded_ddp auto tries these in order: less communication and I/O first
@@ -40,9 +42,8 @@ NAMED = {  # T5 architectures, built on the meta device: no download, no weights
     "t5-3b": dict(d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
     "t5-11b": dict(d_model=1024, d_ff=65536, num_layers=24, num_heads=128, d_kv=128),
 }
-BUCKET_NUMEL = 2**23
 STATE_TENSORS = 2  # AdamW's exp_avg and exp_avg_sq
-DISK_BUFFERS = 4 * 2**22 * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers (buffer_count 4)
+DISK_BUFFERS = 4 * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers (buffer_count 4)
 
 
 @dataclass
@@ -214,10 +215,11 @@ def _probe_main(model: str, precision: str, source_length: int, target_length: i
     from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer  # noqa: F401  (what training imports)
 
     from . import finetune, metrics  # noqa: F401
+    from .dtypes import half_dtype
 
     runtime = _rss()
     config = model_config(model)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.removeprefix("autocast-"))
+    dtype = half_dtype(precision.removeprefix("autocast-"))
     autocast = torch.autocast(device, dtype=dtype) if precision.startswith("autocast") else contextlib.nullcontext()
     keys = [k for k in LAYER_KEYS if isinstance(getattr(config, k, None), int) and getattr(config, k) > 0]
     depth = max((getattr(config, k) for k in keys), default=1)
@@ -336,7 +338,7 @@ def estimate_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="trainer-shard estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help=f"a model folder, a config.json, or one of {', '.join(NAMED)}")
     parser.add_argument("--world_size", type=int, default=1)
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--batch_size", type=int, default=8, help="per rank")
     parser.add_argument("--source_length", type=int, default=128)
     parser.add_argument("--target_length", type=int, default=128)

@@ -1,12 +1,14 @@
-"""What each section of a loaded offload config does to a run.
+"""What each section of a loaded offload config does to a run: plain values, built into objects by
+`training/plan.py` and `training/build.py` (config/ imports nothing from sharding/ or offload/).
 
-    stage, spec = plan(config, options, world_size)     # ZeRO stage and OffloadSpec (or None)
+    stage = zero_stage(config, stage_from_flags)         # ZeRO stage (or None)
+    spec = OffloadSpec.from_config(config)               # `offload_optimizer`: the engine's spec (or None)
     cls, kwargs = optimizer_cls_and_kwargs(config, args) # the `optimizer` section, or None
-    scheduler = make_scheduler(config, optimizer, num_training_steps)  # `scheduler`, or None
-    scaler = loss_scaler(config)                          # `fp16` loss-scale settings
+    scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr)  # `scheduler`, or None
+    scaler = DynamicLossScaler(**loss_scaler_kwargs(config))  # `fp16` loss-scale settings
 
 The TrainingArguments side (precision flags, DDP bucket size) is applied when the arguments
-are checked (`args._offload_problems`); everything else is read here by the Trainer mixin.
+are checked (`args._offload_problems`); everything else is read here for `training/`.
 """
 
 import math
@@ -14,24 +16,20 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..offload.engine import OffloadSpec
-from ..sharding.scaler import DynamicLossScaler
 
-
-def plan(config, stage_from_flags, world_size: int):
-    """(ZeRO stage or None, OffloadSpec or None) for this run.
+def zero_stage(config, stage_from_flags):
+    """The ZeRO stage of this run (1, 2) or None.
 
     `--sharded_ddp` wins when given (the two were checked to agree). Offload on one process with
     stage 0 runs stage 2 on a world of one: the leanest path (gradients go straight into the
     shard as backward produces them), and with nothing to shard, the same thing as no sharding.
     """
-    spec = OffloadSpec.from_config(config) if config is not None else None
     stage = stage_from_flags
     if stage is None and config is not None and config.stage > 0:
         stage = config.stage
-    if stage is None and spec is not None:
-        stage = 2  # world_size is 1 here: the config check refuses stage 0 offload on several ranks
-    return stage, spec
+    if stage is None and config is not None and config.offload_device != "none":
+        stage = 2  # one process here: the config check refuses stage 0 offload on several ranks
+    return stage
 
 
 def optimizer_cls_and_kwargs(config, args):
@@ -92,11 +90,12 @@ def make_scheduler(config, optimizer, num_training_steps: int, base_lr: float):
     return LambdaLR(optimizer, scheduler_lambda(section["type"], section["params"], base_lr, num_training_steps))
 
 
-def loss_scaler(config):
-    """The fp16 loss scaler the `fp16` section describes (DeepSpeed's defaults otherwise)."""
+def loss_scaler_kwargs(config) -> dict:
+    """The keyword arguments of the fp16 loss scaler (`sharding.scaler.DynamicLossScaler`) that
+    the `fp16` section describes; {} (DeepSpeed's defaults) without a config."""
     if config is None:
-        return DynamicLossScaler()
+        return {}
     if config.loss_scale > 0:
-        return DynamicLossScaler(init_scale=config.loss_scale, static=True)
-    return DynamicLossScaler(init_scale=2.0**config.initial_scale_power, growth_interval=config.loss_scale_window,
-                             min_scale=config.min_loss_scale)  # fmt: skip
+        return {"init_scale": config.loss_scale, "static": True}
+    return {"init_scale": 2.0**config.initial_scale_power, "growth_interval": config.loss_scale_window,
+            "min_scale": config.min_loss_scale}  # fmt: skip

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..constants import BUCKET_NUMEL
 from ..errors import ConfigError
 from .schema import AUTO, TOP, Key
 
@@ -488,7 +489,7 @@ def _against_training_args(tree: dict, args, world_size: int, problems: list) ->
             problems.append((path, f"is {_describe(mine)} but {flag} is {_describe(theirs)}; make them agree, or write \"auto\""))
     for key in ("reduce_bucket_size", "allgather_bucket_size"):
         if tree["zero_optimization"][key] == AUTO:
-            tree["zero_optimization"][key] = 2**23
+            tree["zero_optimization"][key] = BUCKET_NUMEL
     if tree["scheduler"]["params"]["warmup_min_lr"] == AUTO:
         tree["scheduler"]["params"]["warmup_min_lr"] = 0.0
     if tree["scheduler"]["params"]["total_num_steps"] == AUTO:
@@ -521,8 +522,8 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
 
     return OffloadConfig(
         stage=zero["stage"], offload_device=device, nvme_path=offload["nvme_path"], pin_memory=offload["pin_memory"],
-        buffer_count=offload["buffer_count"], reduce_bucket_size=concrete(zero["reduce_bucket_size"]) or 2**23,
-        allgather_bucket_size=concrete(zero["allgather_bucket_size"]) or 2**23, overlap_comm=zero["overlap_comm"],
+        buffer_count=offload["buffer_count"], reduce_bucket_size=concrete(zero["reduce_bucket_size"]) or BUCKET_NUMEL,
+        allgather_bucket_size=concrete(zero["allgather_bucket_size"]) or BUCKET_NUMEL, overlap_comm=zero["overlap_comm"],
         optimizer=sections["optimizer"], scheduler=sections["scheduler"],
         gradient_clipping=concrete(tree["gradient_clipping"]), precision=precision,
         loss_scale=fp16["loss_scale"], initial_scale_power=fp16["initial_scale_power"],

@@ -6,6 +6,8 @@ documents the same keys. Anything not listed here is an error, never silently ig
 
 from dataclasses import dataclass, field
 
+from ..constants import BUCKET_NUMEL, DTYPE_NAMES, PRECISIONS
+
 AUTO = "auto"
 
 
@@ -36,8 +38,8 @@ ZERO_OPTIMIZATION = {
                  minimum=0, maximum=3),
     "offload_optimizer": Key("object", "the offload store", children=OFFLOAD_OPTIMIZER),
     "cpu_offload": Key("bool", "old form of offload_optimizer.device = cpu", False),
-    "reduce_bucket_size": Key("int", "elements per gradient bucket (ZeRO-2)", 2**23, auto=True, minimum=1),
-    "allgather_bucket_size": Key("int", "elements per all-gather bucket", 2**23, auto=True, minimum=1),
+    "reduce_bucket_size": Key("int", "elements per gradient bucket (ZeRO-2)", BUCKET_NUMEL, auto=True, minimum=1),
+    "allgather_bucket_size": Key("int", "elements per all-gather bucket", BUCKET_NUMEL, auto=True, minimum=1),
     "overlap_comm": Key("bool", "reduce gradient buckets while backward runs", True),
     "contiguous_gradients": Key("bool", "copy gradients into contiguous buckets as they are produced (always "
                                 "done: only true is accepted)", True, choices=(True,)),
@@ -86,7 +88,7 @@ DATA_TYPES = {
     "grad_accum_dtype": Key("choice", "dtype of the gradient shard the optimizer steps from: fp32 (DeepSpeed's "
                             "layout; the upcast happens as gradients are reduced) or the 16-bit training dtype (half "
                             "the memory; offload only, upcast a chunk at a time in the step). Default: fp32, or the "
-                            "training dtype with offload", None, choices=("fp32", "bf16", "fp16")),
+                            "training dtype with offload", None, choices=PRECISIONS),
 }
 
 INFERENCE = {
@@ -97,7 +99,7 @@ INFERENCE = {
                       "the next device, then to disk (default: what each device has free)"),
     "offload_folder": Key("str", "folder for the weights offloaded to disk (needed when any go there)"),
     "dtype": Key("choice", "dtype to load the weights in (auto: the checkpoint's)", "auto",
-                 choices=("auto", "float32", "bfloat16", "float16")),
+                 choices=(AUTO, *DTYPE_NAMES)),
     "no_split_module_classes": Key("strs", "module classes never split across devices (default: the model's own "
                                    "_no_split_modules, T5Block for T5)"),
     "offload_buffers": Key("bool", "offload buffers with the parameters of offloaded modules", False),

@@ -25,11 +25,10 @@ import torch
 from accelerate import init_empty_weights, infer_auto_device_map
 from accelerate.utils import get_balanced_memory
 
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def empty_model(model_class, config, dtype=None):

@@ -37,12 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..constants import CHUNK_NUMEL
 from .store import CpuStore, DiskStore, bytes_needed
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_NUMEL = 2**22  # 16 MB of fp32 a tensor; measured on 738 M elements (2 cores): 2**20 to 2**24
-# were within the machine's noise of each other (1.0-1.5 s a step), 2**18 clearly slower (per-chunk calls)
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class OffloadSpec:
     nvme_path: str | None = None
     pin_memory: bool = False
     buffer_count: int = 4
-    chunk_numel: int = DEFAULT_CHUNK_NUMEL
+    chunk_numel: int = CHUNK_NUMEL
 
     def __post_init__(self):
         if self.device not in ("cpu", "nvme"):
@@ -282,34 +281,7 @@ class OffloadEngine:
         for name in self.names:
             self.store.write(self._key(index, name), start, chunk[name])
 
-    # ---- state in and out ---------------------------------------------------------------------
-
-    def read_full(self, index: int, name: str) -> torch.Tensor:
-        """A whole shard-sized tensor of the store, in RAM (for checkpoints)."""
-        return self.store.read(self._key(index, name), 0, torch.empty(self.sizes[index]))
-
-    def write_full(self, index: int, name: str, value: torch.Tensor) -> None:
-        self.store.write(self._key(index, name), 0, value.detach().to("cpu", torch.float32).contiguous())
-
-    def shard_state(self, index: int) -> dict:
-        """The optimizer's state for this shard: per-element tensors (shard order) and scalars."""
-        if self.scalars[index] is None:
-            return {}
-        out = {name: self.read_full(index, name) for name in self.state_names}
-        out.update({k: v.clone() if torch.is_tensor(v) else v for k, v in self.scalars[index].items()})
-        return out
-
-    def load_shard_state(self, index: int, state: dict) -> None:
-        if not state:
-            self.scalars[index] = None  # the next step starts the state afresh (what is stored is unused)
-            return
-        missing = [name for name in self.state_names if name not in state]
-        if missing:
-            raise KeyError(f"optimizer state lacks {missing} for the offloaded shard")
-        for name in self.state_names:
-            self.write_full(index, name, state[name])
-        self.scalars[index] = {k: (v.detach().clone().cpu() if torch.is_tensor(v) else v)
-                               for k, v in state.items() if k not in self.state_names}  # fmt: skip
+    # ---- state in and out: the `Stepper` interface, see [Note: chunked state access] in sharding/stepper.py
 
     @torch.no_grad()
     def refresh_master(self, index: int, flat) -> None:
@@ -319,17 +291,6 @@ class OffloadEngine:
             chunk = buffer[: end - start]
             flat.read_shard(start, chunk)
             self.store.write(self._key(index, "master"), start, chunk)
-
-    def master(self, index: int):
-        """The fp32 master shard; None for fp32 parameters, which hold the same values."""
-        if self.flats[index].dtype == torch.float32:
-            return None
-        return self.read_full(index, "master")
-
-    def load_master(self, index: int, value: torch.Tensor) -> None:
-        self.write_full(index, "master", value)
-
-    # the chunked access checkpoints use: see [Note: chunked state access] in sharding/optimizer.py
 
     def tensor_names(self, index: int) -> list:
         return list(self.names) if self.scalars[index] is not None else ["master"]
@@ -345,6 +306,9 @@ class OffloadEngine:
 
     def set_scalar_state(self, index: int, scalars: dict) -> None:
         self.scalars[index] = {k: (v.detach().clone().cpu() if torch.is_tensor(v) else v) for k, v in scalars.items()}
+
+    def clear_state(self, index: int) -> None:
+        self.scalars[index] = None  # the next step starts the state afresh (what is stored is unused)
 
     def state_bytes(self) -> dict:
         where = "disk" if isinstance(self.store, DiskStore) else "cpu"

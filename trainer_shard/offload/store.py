@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..disk import existing_parent, free_bytes, is_writable
 from ..errors import TrainerShardError
 
 
@@ -148,22 +149,22 @@ def check_disk_store(folder, rank: int, needed: int) -> None:
 
 
 def _check_writable(folder: Path, needed: int, create: bool = True) -> None:
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    existing = existing_parent(folder)
+    free = free_bytes(existing)
     if free < needed:
         raise OffloadStoreError(
             f"the disk store needs {needed:,} bytes in {str(folder)!r} but only {free:,} are free; free some space "
             "or point nvme_path to a larger disk"
         )
     if not create:
-        if not os.access(existing, os.W_OK):
-            raise OffloadStoreError(
-                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not writable; set "
-                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
-            )
         if not existing.is_dir():
             raise OffloadStoreError(
                 f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not a folder; set "
+                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+            )
+        if not is_writable(existing):
+            raise OffloadStoreError(
+                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not writable; set "
                 "zero_optimization.offload_optimizer.nvme_path to a writable folder"
             )
         return
@@ -174,7 +175,7 @@ def _check_writable(folder: Path, needed: int, create: bool = True) -> None:
             f"cannot create the disk store folder {str(folder)!r}: {e.strerror or e}; set "
             "zero_optimization.offload_optimizer.nvme_path to a writable folder"
         ) from None
-    if not os.access(folder, os.W_OK):
+    if not is_writable(folder):
         raise OffloadStoreError(
             f"the disk store folder {str(folder)!r} is not writable; set zero_optimization.offload_optimizer.nvme_path "
             "to a writable folder"

@@ -126,11 +126,6 @@ class FlatGroup:
         return out
 
     @torch.no_grad()
-    def load_master(self, shard: torch.Tensor) -> None:
-        for view, bucket in zip(self.master_views, self.layout.buckets):
-            view.copy_(self.shard_of(shard, bucket))
-
-    @torch.no_grad()
     def refresh_master(self) -> None:
         """Master <- this rank's slices of the buffer. See [Note: parameters edited from outside]."""
         if self.master is not None:

@@ -14,8 +14,8 @@ bf16 or fp16 for mixed precision).
 With `offload=OffloadSpec(...)` the master weights and the inner optimizer's state of the shard
 live in the offload engine's store (CPU RAM or disk) instead, and are streamed through a CPU
 step chunk by chunk (see `offload.engine`); the gradient shard stays in the parameters' dtype.
-Who holds the state is the inner stepper's business (`_OnDevice` or `OffloadEngine`); this
-class does not branch on where things live.
+Who holds the state is the stepper's business (`stepper.Stepper`: `OnDevice` or `OffloadEngine`);
+this class does not branch on where things live.
 
 [Note: collective methods] The constructor, `add_param_group`, `step`, `clip_grad_norm`,
 `consolidate_state_dict` and `load_state_dict` are collectives: call them on every rank, in the
@@ -32,16 +32,19 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .. import comm
+from ..constants import BUCKET_NUMEL, CHUNK_NUMEL
 from ..errors import ShardingError
 from ..memory import release_freed_memory
+from ..offload.engine import OffloadEngine, per_element_state
 from .flat import FlatGroup
 from .partition import plan_layout
+from .on_device import OnDevice, per_element
 from .reducer import GradReducer
+from .repartition import TensorSource, fill_shard
 from .scaler import DynamicLossScaler
+from .stepper import Stepper
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BUCKET_NUMEL = 2**23  # 8 M elements: 16 MB of bf16 / 32 MB of fp32 gradients a bucket
 
 # Optimizers whose update of each element depends only on that element's own gradient and state,
 # so that stepping flat shards equals stepping whole tensors.
@@ -73,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optim=None, group=None, *, optimizer_class=None, stage: int = 1,
-                 bucket_numel: int = DEFAULT_BUCKET_NUMEL, loss_scaler=None, offload=None,
+                 bucket_numel: int = BUCKET_NUMEL, loss_scaler=None, offload=None,
                  assume_elementwise: bool = False, overlap_comm: bool = True, grad_dtype=None, **defaults):  # fmt: skip
         self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
         if stage not in (1, 2):
@@ -91,12 +94,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.offload = offload
         self.grad_dtype = grad_dtype
+        # where the masters and the state live, and who steps them: see stepper.py
+        self.stepper: Stepper
         if offload is None:
-            self.inner = _OnDevice(self.optim_class, self.defaults)
+            self.stepper = OnDevice(self.optim_class, self.defaults)
         else:
-            from ..offload.engine import OffloadEngine
-
-            self.inner = OffloadEngine(offload, self.optim_class, self.defaults, rank=self.rank)
+            self.stepper = OffloadEngine(offload, self.optim_class, self.defaults, rank=self.rank)
         for index in range(len(self.param_groups)):
             self._build_flats(index)
         if not self.flats:
@@ -148,7 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             flat.refresh_master()
             self.flats.append(flat)
             self._flat_owner.append(index)
-            self.inner.add(flat, self._hyperparameters(len(self.flats) - 1))
+            self.stepper.add(flat, self._hyperparameters(len(self.flats) - 1))
             if self.reducer is not None:
                 self.reducer.add(flat)
 
@@ -159,7 +162,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def optim(self):
         """The inner torch optimizer over the master shards (None when they are offloaded)."""
-        return getattr(self.inner, "optim", None)
+        return getattr(self.stepper, "optim", None)
+
+    @property
+    def fresh(self) -> bool:
+        """No step taken and no state loaded: the state is empty, the masters equal the parameters."""
+        return self._fresh
+
+    def group_of(self, flat_index: int) -> int:
+        """The index of the param group `flats[flat_index]` belongs to."""
+        return self._flat_owner[flat_index]
 
     # ---- gradients -------------------------------------------------------------------------
 
@@ -203,6 +215,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _device(self):
         return self.flats[0].grad.device
+
+    def _state_device(self):
+        """Where whole state shards are read to: the compute device, or the CPU when offloaded."""
+        return torch.device("cpu") if self.offload is not None else self._device()
 
     @torch.no_grad()
     def global_norm(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -260,14 +276,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with record_function("trainer_shard::optim_step"):
             for index, flat in enumerate(self.flats):
                 if flat.follow_outside_edits():
-                    self.inner.refresh_master(index, flat)
+                    self.stepper.refresh_master(index, flat)
                     flat.mark_seen()
             self.prepare_grads()
             if self.found_inf:
                 self.skip_step()
                 return loss
             hypers = [self._hyperparameters(i) for i in range(len(self.flats))]
-            self.inner.step(hypers, list(self._grad_factors))
+            self.stepper.step(hypers, list(self._grad_factors))
             self._fresh = False
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
@@ -308,6 +324,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 n += 1
         return ids
 
+    def shard_tensors(self, index: int) -> dict:
+        """The state of flats[index] on this rank: per-element tensors, whole shards (read from
+        wherever the stepper keeps them), and scalars ("step"); empty while fresh."""
+        if self._fresh:
+            return {}
+        numel = self.flats[index].layout.shard_numel
+        names = [n for n in self.stepper.tensor_names(index) if n != "master"]
+        out = {n: self.stepper.read(index, n, 0, torch.empty(numel, device=self._state_device())) for n in names}
+        return {**out, **self.stepper.scalar_state(index)}
+
+    def master_shard(self, index: int):
+        """This rank's fp32 master shard of flats[index]; None for fp32 parameters, which are
+        their own masters (saved with the model)."""
+        flat = self.flats[index]
+        if flat.dtype == torch.float32:
+            return None
+        return self.stepper.read(index, "master", 0, torch.empty(flat.layout.shard_numel, device=self._state_device()))
+
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the full optimizer state on rank `to`, in the local optimizer's format. Collective.
 
@@ -317,10 +351,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ids = self._param_ids()
         state, masters = {}, {}
         for index, flat in enumerate(self.flats):
-            inner = self.inner.shard_state(index)
-            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if _per_element(k, v, flat.grad)), self.group)[0]
+            inner = self.shard_tensors(index)
+            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if per_element(k, v, flat.grad)), self.group)[0]
             pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
-            master = self.inner.master(index)
+            master = self.master_shard(index)
             if master is not None:  # fp32 parameters are their own masters: nothing to gather
                 pieces["__master__"] = _gather_to(master, to, self.group)
             if self.rank != to:
@@ -365,13 +399,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Before the first step there is nothing to save that the parameters do not hold; and
         # accelerate's prepare() round-trips the state (state_dict, load_state_dict), which must
         # not materialize shard-sized masters (for an offloaded 3 B model, 11 GB).
-        masters = [None if self._fresh else self.inner.master(i) for i in indices]
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
             "fresh": self._fresh,
-            "inner": [{} if self._fresh else self.inner.shard_state(i) for i in indices],
+            "inner": [self.shard_tensors(i) for i in indices],
             # fp32 parameters are their own masters (saved with the model): None
-            "masters": [None if m is None else m.detach().clone() for m in masters],
+            "masters": [None if self._fresh else self.master_shard(i) for i in indices],
             "param_groups": self._groups_for_state_dict(self._param_ids()),
             **({"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}),
         }
@@ -387,14 +420,58 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         if state_dict.get("fresh") and self._fresh:
             return  # a state saved before any step, into an optimizer before any step: nothing to load
-        self._fresh = bool(state_dict.get("fresh"))
         for index, (state, master) in enumerate(zip(state_dict["inner"], state_dict["masters"])):
-            self.inner.load_shard_state(index, state)
+            flat = self.flats[index]
+            self.stepper.clear_state(index)
+            for key, value in state.items():  # the same rank's shard: no re-partitioning
+                if per_element(key, value, flat.grad):
+                    self.stepper.write(index, key, 0, value)
+            if state:
+                self.stepper.set_scalar_state(index, {k: v for k, v in state.items() if not per_element(k, v, flat.grad)})
             if master is not None:
-                self.inner.load_master(index, master)
+                self.stepper.write(index, "master", 0, master)
             else:
-                self.inner.refresh_master(index, self.flats[index])
-            self.flats[index].mark_seen()
+                self.stepper.refresh_master(index, flat)
+            flat.mark_seen()
+        self._fresh = bool(state_dict.get("fresh"))
+
+    @torch.no_grad()
+    def load_repartitioned(self, source, names: list, saved: list) -> None:
+        """Fill this rank's shards from state saved at any world size (repartition.py): for flat
+        i, `names[i][j]` is what `source` calls `flats[i].params[j]`, and `saved[i]` is the
+        `(keys, scalars)` to load, keys the per-element state names (with "master" when the
+        source holds the fp32 masters; otherwise the masters are read from the parameters) and
+        scalars None for a fresh flat. Not collective: each rank reads only its own part."""
+        for index, (flat, (keys, scalars)) in enumerate(zip(self.flats, saved)):
+            self.stepper.clear_state(index)
+            for key in keys:
+                fill_shard(self.stepper, index, flat, key, source, names[index])
+            if "master" not in keys:
+                self.stepper.refresh_master(index, flat)
+            if scalars is not None:
+                self.stepper.set_scalar_state(index, scalars)
+            flat.mark_seen()
+        self._fresh = all(scalars is None for _, scalars in saved)
+
+    def _check_state_names(self, keys: list) -> None:
+        missing = sorted(set(per_element_state(self.optim_class, self.defaults)) - set(keys))
+        if missing:
+            raise ShardingError(f"the optimizer state lacks {missing} that {self.optim_class.__name__} keeps for "
+                                "every element; load a state saved by the same optimizer")  # fmt: skip
+
+    @torch.no_grad()
+    def params_from_masters(self) -> None:
+        """The model follows the masters: each rank casts its shard into the parameters, then the
+        all-gather gives every rank all of them. Collective."""
+        for index, flat in enumerate(self.flats):
+            numel = flat.layout.shard_numel
+            buffer = torch.empty(min(CHUNK_NUMEL, max(numel, 1)))
+            for start in range(0, numel, CHUNK_NUMEL):
+                chunk = buffer[: min(CHUNK_NUMEL, numel - start)]
+                self.stepper.read(index, "master", start, chunk)
+                flat.write_shard(start, chunk)
+            flat.gather_params()
+            flat.mark_seen()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -416,25 +493,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ids = self._param_ids()
         saved_state = state_dict.get("state", {})
         masters = state_dict.get("master_params")
-        self._fresh = not saved_state and masters is None
-        for index, flat in enumerate(self.flats):
+        full, names, saved = {}, [], []
+        for flat in self.flats:
             pids = [ids[p] for p in flat.params]
+            names.append(pids)
             per_param = [saved_state.get(pid, saved_state.get(str(pid), {})) for pid in pids]
-            inner = {}
+            keys, scalars = [], {}
             for key in set().union(*(s.keys() for s in per_param)):
                 values = [s.get(key) for s in per_param]
-                if all(_per_element(key, v, p) for v, p in zip(values, flat.params)):
-                    inner[key] = _shard_of(values, flat)
-                elif torch.is_tensor(values[0]):
-                    inner[key] = values[0].detach().clone().to(flat.grad.device)
+                if all(per_element(key, v, p) for v, p in zip(values, flat.params)):
+                    keys.append(key)
                 else:
-                    inner[key] = values[0]
-            self.inner.load_shard_state(index, inner)
+                    value = values[0]
+                    scalars[key] = value.detach().clone().to(flat.grad.device) if torch.is_tensor(value) else value
+            for pid, state in zip(pids, per_param):
+                full[pid] = dict(state)
             if masters is not None and flat.dtype != torch.float32:  # fp32 parameters are their own masters
-                self.inner.load_master(index, _shard_of([masters.get(pid, masters.get(str(pid))) for pid in pids], flat))
-            else:
-                self.inner.refresh_master(index, flat)
-            flat.mark_seen()
+                keys.append("master")
+                for pid in pids:
+                    full[pid]["master"] = masters.get(pid, masters.get(str(pid)))
+            if any(per_param):
+                self._check_state_names(keys)
+            saved.append((sorted(keys), scalars if any(per_param) else None))
+        self.load_repartitioned(TensorSource(full), names, saved)
+        if masters is not None:
+            self._fresh = False
         if "loss_scaler" in state_dict and self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
@@ -443,116 +526,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def shard_bytes(self) -> dict:
         """Bytes this rank holds for its shards on the compute device (master weights, gradients,
         optimizer state) and, offloaded, in the store."""
-        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats), **self.inner.state_bytes()}
+        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats), **self.stepper.state_bytes()}
 
     def close(self) -> None:
         """Free the offload store (a disk store deletes its files). Also done at exit."""
-        self.inner.close()
+        self.stepper.close()
 
     def __repr__(self) -> str:
         where = f", offload={self.offload.device}" if self.offload is not None else ""
         return (f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}{where}, "
                 f"optim={self.optim_class.__name__}({self.defaults}))")  # fmt: skip
-
-
-class _OnDevice:
-    """The inner torch optimizer steps the master shards where they are (no offload)."""
-
-    def __init__(self, optim_class, defaults: dict):
-        self.optim_class, self.defaults = optim_class, defaults
-        self.optim = None
-        self.flats = []
-
-    def add(self, flat: FlatGroup, hyper: dict) -> None:
-        group = {"params": flat.master_views, **hyper}
-        if self.optim is None:
-            self.optim = self.optim_class([group], **self.defaults)
-        else:
-            self.optim.add_param_group(group)
-        self.flats.append(flat)
-
-    def step(self, hypers: list, factors) -> None:
-        for inner, hyper in zip(self.optim.param_groups, hypers):  # lr as the scheduler left it...
-            inner.update(hyper)
-        self.optim.step()
-
-    def shard_state(self, index: int) -> dict:
-        return _shard_state(self.optim.state, self.flats[index])
-
-    def load_shard_state(self, index: int, state: dict) -> None:
-        flat = self.flats[index]
-        for view, bucket in zip(flat.master_views, flat.layout.buckets):
-            self.optim.state[view] = {
-                k: flat.shard_of(v, bucket).clone() if _per_element(k, v, flat.grad) else
-                (v.clone() if torch.is_tensor(v) else v) for k, v in state.items()
-            }  # fmt: skip
-
-    def master(self, index: int):
-        return self.flats[index].master  # None: fp32 parameters are their own masters
-
-    def load_master(self, index: int, value: torch.Tensor) -> None:
-        self.flats[index].load_master(value)
-
-    def refresh_master(self, index: int, flat: FlatGroup) -> None:
-        flat.refresh_master()
-
-    # [Note: chunked state access] What checkpoints read and write, a range of one shard-sized
-    # tensor at a time, for both steppers (`OffloadEngine` has the same methods): "master" (the
-    # fp32 weights) and the optimizer's per-element state, by name.
-
-    def tensor_names(self, index: int) -> list:
-        view = self.flats[index].master_views[0]
-        state = self.optim.state.get(view, {})
-        return ["master", *(k for k, v in state.items() if _per_element(k, v, view))]
-
-    def read(self, index: int, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        flat = self.flats[index]
-        if name == "master" and flat.master is None:  # fp32 parameters are their own masters
-            return flat.read_shard(start, out)
-        for lo, hi, tensor in self._pieces(index, name, start, start + out.numel()):
-            out[lo - start : hi - start].copy_(tensor)
-        return out
-
-    def write(self, index: int, name: str, start: int, values: torch.Tensor) -> None:
-        flat = self.flats[index]
-        if name == "master" and flat.master is None:
-            flat.write_shard(start, values)
-            return
-        for lo, hi, tensor in self._pieces(index, name, start, start + values.numel(), create=True):
-            tensor.copy_(values[lo - start : hi - start])
-
-    def _pieces(self, index: int, name: str, start: int, end: int, create: bool = False):
-        """(lo, hi, tensor view) for shard elements [lo, hi) of `name` in [start, end), bucket by bucket."""
-        flat = self.flats[index]
-        for view, bucket in zip(flat.master_views, flat.layout.buckets):
-            lo, hi = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_numel)
-            if lo >= hi:
-                continue
-            if name == "master":
-                tensor = view
-            else:
-                state = self.optim.state[view]
-                if name not in state and create:
-                    state[name] = torch.zeros_like(view)
-                tensor = state[name]
-            yield lo, hi, tensor[lo - bucket.shard_offset : hi - bucket.shard_offset]
-
-    def scalar_state(self, index: int) -> dict:
-        view = self.flats[index].master_views[0]
-        return {k: v for k, v in self.optim.state.get(view, {}).items() if not _per_element(k, v, view)}
-
-    def set_scalar_state(self, index: int, scalars: dict) -> None:
-        for view in self.flats[index].master_views:
-            self.optim.state[view].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
-
-    def state_bytes(self) -> dict:
-        state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
-                    if torch.is_tensor(v))  # fmt: skip
-        master = sum(f.master.numel() * f.master.element_size() for f in self.flats if f.master is not None)
-        return {"master": master, "optimizer_state": state}
-
-    def close(self) -> None:
-        pass
 
 
 def _resolve_class(optim, optimizer_class, assume_elementwise: bool):
@@ -587,7 +570,7 @@ def _check_same_everywhere(index: int, params: list, group) -> None:
             )
 
 
-def _all_finite(t: torch.Tensor, chunk: int = 2**22) -> torch.Tensor:
+def _all_finite(t: torch.Tensor, chunk: int = CHUNK_NUMEL) -> torch.Tensor:
     """No inf/NaN in `t` (a bool tensor on its device, so no sync per chunk), checked a chunk at a
     time (no shard-sized temporary)."""
     checks = [torch.isfinite(t[s : s + chunk]).all() for s in range(0, t.numel(), chunk)]
@@ -611,23 +594,6 @@ def _power_sum(t: torch.Tensor, p: float, row: int = 4096, rows_per_pass: int = 
     return total + t[n:].double().abs().pow(p).sum()
 
 
-def _shard_state(state: dict, flat: FlatGroup) -> dict:
-    """The inner optimizer's state for `flat`'s bucket tensors, per-element entries concatenated in shard order."""
-    per_bucket = [state.get(view, {}) for view in flat.master_views]
-    out = {}
-    for key, value in per_bucket[0].items():
-        if torch.is_tensor(value) and key != "step" and value.dim() == 1:
-            out[key] = torch.cat([s[key] for s in per_bucket])
-        else:
-            out[key] = value
-    return out
-
-
-def _per_element(key: str, value, like: torch.Tensor) -> bool:
-    """A state entry with one value per parameter element (exp_avg...), not a counter ("step")."""
-    return torch.is_tensor(value) and key != "step" and value.shape == like.shape
-
-
 def _gather_to(tensor: torch.Tensor, to: int, group):
     """Rank `to` receives every rank's shard-sized tensor stacked [world, n]; others None."""
     rank, world = comm.rank_and_size(group)
@@ -648,12 +614,3 @@ def _unshard(stacked: torch.Tensor, flat: FlatGroup, world: int) -> list:
         for seg in flat.layout.segments(rank):
             out[seg.index][seg.param_start : seg.param_start + seg.numel] = stacked[rank, seg.shard_start : seg.shard_start + seg.numel]
     return [t.view(p.shape) for t, p in zip(out, flat.params)]
-
-
-def _shard_of(full_tensors: list, flat: FlatGroup) -> torch.Tensor:
-    """Per-parameter full tensors -> this rank's fp32 shard of them."""
-    shard = torch.zeros(flat.layout.shard_numel, dtype=torch.float32, device=flat.grad.device)
-    for seg in flat.segments:
-        source = full_tensors[seg.index].detach().reshape(-1)[seg.param_start : seg.param_start + seg.numel]
-        shard[seg.shard_start : seg.shard_start + seg.numel] = source.to(shard.device, shard.dtype)
-    return shard

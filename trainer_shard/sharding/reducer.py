@@ -59,7 +59,6 @@ class GradReducer:
         self.world_size = comm.rank_and_size(group)[1]
         self.max_in_flight = max(1, int(max_in_flight))
         self.flats = []
-        self.handles = []
         self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
@@ -73,13 +72,8 @@ class GradReducer:
             for slot in bucket.slots:
                 param = flat.params[slot.index]
                 hook = self._make_hook(base + bucket.index, slot)
-                self.handles.append(param.register_post_accumulate_grad_hook(hook))
+                param.register_post_accumulate_grad_hook(hook)
         self._reset()
-
-    def remove_hooks(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
     def _reset(self) -> None:
         self.states = [_BucketState(f, b) for f in self.flats for b in f.layout.buckets]

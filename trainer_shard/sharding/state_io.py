@@ -13,8 +13,9 @@
 
 Saving streams every tensor from where the state lives (device, CPU store, disk store) through
 one chunk buffer, so no rank ever holds more than its shard, and a disk store is copied, not
-loaded. Loading re-partitions: for each range of this rank's new shard, the index says which old
-rank holds which elements of which parameter, and those are read with `pread` (the equivalent of
+loaded. Loading re-partitions (repartition.py, the path `load_state_dict` takes too): for each
+range of this rank's new shard, the index says which old rank holds which elements of which
+parameter (`ShardSources`, a source), and those are read with `pread` (the equivalent of
 DeepSpeed's universal checkpoint, without a conversion step). The master weights are always
 saved, fp32, even when the parameters are fp32 themselves, so a shard set alone rebuilds the
 model at full precision (`trainer-shard consolidate`).
@@ -29,13 +30,14 @@ from pathlib import Path
 import torch
 
 from .. import comm
-from ..checkpoint import Chunked, SafetensorsFile, describe_write_error, file_problems, save_safetensors
+from ..checkpoint import Chunked, SafetensorsFile, file_problems, save_safetensors
+from ..constants import CHUNK_NUMEL
+from ..disk import describe_write_error
 from ..errors import CheckpointError
 
 FOLDER = "optimizer_shards"
 INDEX = "index.json"
 FORMAT = "trainer_shard.optimizer_shards/1"
-CHUNK_NUMEL = 2**22
 
 
 def rank_file(rank: int, world_size: int) -> str:
@@ -54,30 +56,39 @@ def param_names(model) -> dict:
 def save_shards(optimizer, folder, names: dict) -> dict:
     """Write this rank's shard and (rank 0) the index into `folder`. Collective. Returns every
     shard file's {"bytes", "crc32"} by name (on every rank). A rank that cannot write its file
-    (a full or read-only disk) makes every rank raise `CheckpointError` naming it."""
+    (a full or read-only disk) makes every rank raise `CheckpointError` naming it.
+
+    The same three steps as a Trainer checkpoint, which gathers the shard outcomes together with
+    the model's (trainer_state... see training/checkpoints.py): `write_shard` on every rank,
+    `shard_files` of the gathered outcomes, `write_index` on rank 0."""
     written = write_shard(optimizer, folder, names)
     outcomes = comm.all_gather_objects(written, optimizer.group)
     failed = [(r, out) for r, out in enumerate(outcomes) if isinstance(out, str)]
     if failed:
         raise CheckpointError("; ".join(f"rank {r}: {text}" for r, text in failed))
-    files = {rank_file(r, optimizer.world_size): outcomes[r] for r in range(optimizer.world_size)}
+    files = shard_files(outcomes)
     if optimizer.rank == 0:
         write_index(optimizer, folder, names, files)
     comm.barrier(optimizer.group)
     return files
 
 
+def shard_files(outcomes: list) -> dict:
+    """{file name: {"bytes", "crc32"}} from every rank's `write_shard` result, in rank order."""
+    return {rank_file(r, len(outcomes)): written for r, written in enumerate(outcomes)}
+
+
 def write_shard(optimizer, folder, names: dict):
     """This rank's shard file, streamed: its {"bytes", "crc32"}, or the text of the OSError that
     stopped it (the partial file removed). Not collective: the Trainer gathers the outcomes of
-    every file of a checkpoint at once (trainer.py)."""
+    every file of a checkpoint at once (training/checkpoints.py)."""
     folder = Path(folder)
-    inner, fresh = optimizer.inner, optimizer._fresh
+    inner, fresh = optimizer.stepper, optimizer.fresh
     tensors = {}
     for i, flat in enumerate(optimizer.flats):
         keys = ["master"] if fresh else inner.tensor_names(i)
         for key in keys:
-            read = functools.partial(_read_chunk, inner, i, key)
+            read = functools.partial(inner.read, i, key)
             tensors[f"flat{i}.{key}"] = Chunked(torch.float32, (flat.layout.shard_numel,), read, CHUNK_NUMEL)
         scalars = {} if fresh else inner.scalar_state(i)
         for key, value in scalars.items():
@@ -92,11 +103,11 @@ def write_shard(optimizer, folder, names: dict):
 
 def write_index(optimizer, folder, names: dict, files: dict) -> None:
     """`folder/index.json` (rank 0): what every rank's file holds and how to re-partition it."""
-    fresh = optimizer._fresh
+    fresh = optimizer.fresh
     flats = []
     for i in range(len(optimizer.flats)):
-        keys = ["master"] if fresh else optimizer.inner.tensor_names(i)
-        scalars = {} if fresh else optimizer.inner.scalar_state(i)
+        keys = ["master"] if fresh else optimizer.stepper.tensor_names(i)
+        scalars = {} if fresh else optimizer.stepper.scalar_state(i)
         flats.append(_flat_entry(optimizer, i, names, keys, scalars))
     index = {
         "format": FORMAT,
@@ -117,15 +128,11 @@ def write_index(optimizer, folder, names: dict, files: dict) -> None:
     _write_json(Path(folder) / INDEX, index)
 
 
-def _read_chunk(inner, index: int, key: str, start: int, out: torch.Tensor) -> None:
-    inner.read(index, key, start, out)
-
-
 def _flat_entry(optimizer, i: int, names: dict, keys: list, scalars: dict) -> dict:
     flat = optimizer.flats[i]
     layout = flat.layout
     return {
-        "group": optimizer._flat_owner[i],
+        "group": optimizer.group_of(i),
         "dtype": str(flat.dtype).removeprefix("torch."),
         "shard_numel": layout.shard_numel,
         "keys": keys,
@@ -266,19 +273,18 @@ def load_shards(optimizer, folder, names: dict) -> None:
         if optimizer.loss_scaler is not None and index.get("loss_scaler"):
             optimizer.loss_scaler.load_state_dict(index["loss_scaler"])
         fresh = index["fresh"]
-        for i, flat in enumerate(optimizer.flats):
-            flat_names = [names[p] for p in flat.params]
-            old = {sources.where[n][0] for n in flat_names}
-            keys = sources.keys(flat_names[0])
+        flat_names, saved = [], []
+        for flat in optimizer.flats:
+            names_here = [names[p] for p in flat.params]
+            old = {sources.where[n][0] for n in names_here}
+            keys = sources.keys(names_here[0])
             if any(sources.index["flats"][o]["keys"] != keys for o in old):
                 raise CheckpointError(f"{str(folder)!r}: parameters stepped together now were saved with different state")
             _check_state_keys(optimizer, keys, fresh, folder, index.get("optimizer", "another optimizer"))
-            for key in keys:
-                _fill(optimizer, i, key, sources, flat_names)
-            if not fresh:
-                optimizer.inner.set_scalar_state(i, sources.scalars(min(old)))
-        optimizer._fresh = fresh
-        _parameters_from_masters(optimizer)
+            flat_names.append(names_here)
+            saved.append((keys, None if fresh else sources.scalars(min(old))))
+        optimizer.load_repartitioned(sources, flat_names, saved)
+        optimizer.params_from_masters()
     finally:
         sources.close()
 
@@ -324,41 +330,6 @@ def _load_hyperparameters(optimizer, index: dict, names: dict) -> None:
             if isinstance(mine.get(key), tuple) and isinstance(value, list):
                 value = tuple(value)
             mine[key] = value
-
-
-def _fill(optimizer, i: int, key: str, sources: ShardSources, flat_names: list) -> None:
-    """This rank's new shard of `key`, chunk by chunk, from the old ranks' files (padding zero)."""
-    flat = optimizer.flats[i]
-    numel = flat.layout.shard_numel
-    segments = flat.segments
-    starts = [s.shard_start for s in segments]
-    buffer = torch.empty(min(CHUNK_NUMEL, max(numel, 1)))
-    for start in range(0, numel, CHUNK_NUMEL):
-        end = min(start + CHUNK_NUMEL, numel)
-        out = buffer[: end - start]
-        out.zero_()
-        j = max(bisect.bisect_right(starts, start) - 1, 0)
-        for seg in segments[j:]:
-            if seg.shard_start >= end:
-                break
-            lo, hi = max(start, seg.shard_start), min(end, seg.shard_start + seg.numel)
-            if lo < hi:
-                offset = seg.param_start + lo - seg.shard_start
-                sources.read_range(flat_names[seg.index], key, offset, out[lo - start : hi - start])
-        optimizer.inner.write(i, key, start, out)
-
-
-def _parameters_from_masters(optimizer) -> None:
-    """The model follows the loaded masters: each rank casts its shard into the parameters,
-    then the all-gather gives every rank all of them."""
-    for i, flat in enumerate(optimizer.flats):
-        buffer = torch.empty(min(CHUNK_NUMEL, max(flat.layout.shard_numel, 1)))
-        for start in range(0, flat.layout.shard_numel, CHUNK_NUMEL):
-            chunk = buffer[: min(CHUNK_NUMEL, flat.layout.shard_numel - start)]
-            optimizer.inner.read(i, "master", start, chunk)
-            flat.write_shard(start, chunk)
-        flat.gather_params()
-        flat.mark_seen()
 
 
 @torch.no_grad()

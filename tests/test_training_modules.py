@@ -1,0 +1,185 @@
+"""The concerns of the Trainer mixin, each tested without building a Trainer: the distributed
+guard, the run's plan and its size estimates, the optimizer it builds, staged checkpoint saves,
+and fault supervision. The references are independent: the bytes a real save writes, the errors
+a real disk gives, torch's own optimizers."""
+
+import errno
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM, TrainerControl, TrainerState
+from transformers.training_args import ParallelMode
+
+from test_sharded_optimizer import make_model
+from trainer_shard import ArgumentError, DistributedSetupError, OffloadSpec, OffloadStoreError
+from trainer_shard.checkpoint import MANIFEST, STAGING, manifest_problems, save_model
+from trainer_shard.disk import format_bytes
+from trainer_shard.errors import CheckpointError
+from trainer_shard.sharding import ShardedOptimizer, state_io
+from trainer_shard.training import build, checkpoints, guard, plan, supervision
+
+
+# ---- guard ------------------------------------------------------------------------------------
+
+
+def test_guard_refuses_ranks_the_trainer_did_not_join(monkeypatch):
+    args = SimpleNamespace(distributed_state=None, parallel_mode=ParallelMode.NOT_DISTRIBUTED, device="cpu",
+                           world_size=1)  # fmt: skip
+    guard.check_distributed_setup(args)  # one process: nothing to join
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedSetupError, match="WORLD_SIZE=2 processes were launched.*--use_cpu"):
+        guard.check_distributed_setup(args)
+
+
+# ---- plan -------------------------------------------------------------------------------------
+
+
+def test_state_tensors_count_what_the_optimizer_keeps_per_element():
+    assert plan.state_tensors(torch.optim.AdamW, {"lr": 1e-3, "params": []}) == 2
+    assert plan.state_tensors(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}) == 1
+    assert plan.state_tensors(lambda params: None, {}) is None  # a factory: known once built
+
+
+def test_checkpoint_bytes_match_what_a_sharded_save_writes(tiny_model, tmp_path):
+    """The estimate that the room checks and the failure messages quote, against the files a
+    checkpoint of the same model and optimizer really holds (safetensors headers aside)."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-3)
+    model(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 3, dtype=torch.long)).loss.backward()
+    opt.step()
+    weights = save_model(model, tmp_path / "ckpt")
+    shards = state_io.save_shards(opt, tmp_path / "ckpt" / state_io.FOLDER, state_io.param_names(model))
+    written = sum(f["bytes"] for f in {**weights, **shards}.values())
+    estimate = plan.checkpoint_bytes(model, sharded=True, states=2)
+    assert 0.98 * written <= estimate <= written
+    assert plan.checkpoint_bytes(model, sharded=True, states=2, with_optimizer=False) <= sum(
+        f["bytes"] for f in weights.values())  # fmt: skip
+
+
+def test_disk_room_is_checked_before_training(tmp_path, monkeypatch):
+    model = make_model()
+    numel = sum(p.numel() for p in model.parameters())
+    spec = OffloadSpec("nvme", nvme_path=str(tmp_path))
+    needed = 4 * 3 * -(-numel // 2)  # fp32 master + AdamW's two moments, half the model on each of 2 ranks
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=needed - 1))
+    with pytest.raises(OffloadStoreError, match=f"needs {needed:,} bytes"):
+        plan.check_disk_room(spec, model, 2, rank=0, world_size=2)
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=needed))
+    plan.check_disk_room(spec, model, 2, rank=0, world_size=2)
+    plan.check_disk_room(OffloadSpec("cpu"), model, 2, rank=0, world_size=2)  # nothing on disk
+
+
+# ---- build ------------------------------------------------------------------------------------
+
+
+def test_wrap_builds_what_the_flags_and_config_ask_for():
+    model = make_model()
+    args = SimpleNamespace(fp16=True, bf16=False)
+    config = SimpleNamespace(overlap_comm=False, grad_accum_dtype="fp32", reduce_bucket_size=123,
+                             allgather_bucket_size=456, loss_scale=0, initial_scale_power=8, loss_scale_window=10,
+                             min_loss_scale=1.0)  # fmt: skip
+    opt = build.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), 2, None, args, config)
+    assert isinstance(opt, ShardedOptimizer) and opt.stage == 2 and opt.optim_class is torch.optim.AdamW
+    assert opt.loss_scaler.scale == 2.0**8 and opt.loss_scaler.growth_interval == 10
+    assert build.bucket_numel(config, 2) == 123 and build.bucket_numel(config, 1) == 456
+    build.check_adoptable(opt, 2, None, args)
+    with pytest.raises(ArgumentError, match="asks for ZeRO-1 but the trainer was given ShardedOptimizer at stage 2"):
+        build.check_adoptable(opt, 1, None, args)
+    with pytest.raises(ArgumentError, match="asks for ZeRO-2 but the trainer was given AdamW"):
+        build.check_adoptable(torch.optim.AdamW(model.parameters()), 2, None, args)
+
+
+def test_mixed_precision_casts_the_parameters_to_16_bits():
+    model = make_model()
+    build.cast_for_mixed_precision(model, SimpleNamespace(bf16=True, fp16=False))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    build.cast_for_mixed_precision(model, SimpleNamespace(bf16=False, fp16=False))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # fp32 runs leave them be
+
+
+# ---- checkpoints ------------------------------------------------------------------------------
+
+
+def _args(output_dir, limit=None):
+    return SimpleNamespace(should_save=True, save_total_limit=limit, output_dir=str(output_dir))
+
+
+def _save(run_dir, step, *, error=None, last=None, limit=None):
+    save = checkpoints.StagedSave(str(run_dir), step, _args(run_dir, limit), lambda: 12345, last)
+    save.begin()
+    os.makedirs(save.staging)
+    Path(save.staging, "model.safetensors").write_bytes(b"x" * (100 + step))
+    if error is not None:
+        save.record(error)
+    save.gather()
+    return save, save.publish(TrainerState())
+
+
+def test_a_staged_save_is_published_whole_with_its_manifest_and_rotated(tmp_path):
+    _, first = _save(tmp_path, 1)
+    save, second = _save(tmp_path, 2, limit=1)
+    assert second == str(tmp_path / "checkpoint-2") and save.final == second
+    assert Path(second, MANIFEST).is_file() and manifest_problems(second) == []
+    assert Path(second, "model.safetensors").stat().st_size == 102
+    assert not Path(first).exists()  # rotated out by save_total_limit=1
+    assert not (tmp_path / STAGING / "checkpoint-2").exists()
+
+
+def test_a_failed_save_removes_what_it_wrote_and_keeps_the_last_checkpoint(tmp_path):
+    _, first = _save(tmp_path, 1)
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / STAGING / "checkpoint-2" / "x"))
+    with pytest.raises(CheckpointError) as raised:
+        _save(tmp_path, 2, error=full, last=first)
+    text = str(raised.value)
+    assert "checkpoint-2 was not saved: rank 0: No space left on device" in text
+    assert f"{first} (the last complete checkpoint) is untouched" in text
+    assert f"takes about {format_bytes(12345)}" in text  # the size the trainer said
+    assert not (tmp_path / STAGING).exists() and not (tmp_path / "checkpoint-2").exists()
+    assert manifest_problems(first) == [] and Path(first, "model.safetensors").stat().st_size == 101
+
+
+def test_a_save_reraises_what_is_not_a_write_error(tmp_path):
+    save = checkpoints.StagedSave(str(tmp_path), 1, _args(tmp_path), lambda: 0)
+    oom = RuntimeError("CUDA out of memory")
+    with pytest.raises(RuntimeError) as raised:
+        save.record(oom)
+    assert raised.value is oom and save.failure is None
+    save.record(RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 64 vs 0"))
+    assert save.failure and "torch.save could not write" in save.failure
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="holds no optimizer state.*--save_only_model"):
+        checkpoints.has_optimizer_shards(tmp_path)
+    (tmp_path / state_io.FOLDER).mkdir()
+    assert checkpoints.has_optimizer_shards(tmp_path)
+
+
+# ---- supervision ------------------------------------------------------------------------------
+
+
+def test_an_agreed_signal_stops_after_the_step_and_saves_under_save_on_interrupt():
+    supervisor = supervision.Supervisor()
+    args = SimpleNamespace(save_on_interrupt=True)
+    callback, state, control = supervisor.callback(args), TrainerState(), TrainerControl()
+    with supervisor.running(timeout=60):
+        callback.on_step_end(args, state, control)
+        assert not control.should_training_stop
+        supervisor.interrupt.signum = 15  # as the SIGTERM handler sets it
+        callback.on_step_end(args, state, control)
+    assert control.should_training_stop and control.should_save
+    with pytest.raises(Exception, match="SIGTERM") as raised:
+        supervisor.raise_if_interrupted(7, "out/checkpoint-7")
+    assert type(raised.value).__name__ == "TrainingInterrupted"
+
+
+def test_supervision_lets_errors_through_on_one_process():
+    supervisor = supervision.Supervisor()
+    with pytest.raises(ValueError, match="boom"):
+        with supervisor.running(timeout=60):
+            raise ValueError("boom")
+    supervisor.raise_if_interrupted(0, None)  # no signal: nothing raised

@@ -1,0 +1,56 @@
+"""The `ShardedOptimizer` a run's plan asks for, around the optimizer the Trainer would have built
+(same class, hyperparameters and weight-decay groups), or a check of the one a user passed.
+
+    cast_for_mixed_precision(model, args)           # bf16/fp16 parameters; fp32 masters in the shards
+    optimizer = wrap(plain, stage, spec, args, config)
+    check_adoptable(optimizer, stage, spec, args)   # a user's optimizers=(...) would really shard
+"""
+
+import torch
+
+from .. import dtypes
+from ..config import apply as config_apply
+from ..constants import BUCKET_NUMEL
+from ..errors import ArgumentError
+from ..sharding import DynamicLossScaler, ShardedOptimizer
+
+
+def bucket_numel(config, stage) -> int:
+    """Elements a gradient bucket: the config's `reduce_bucket_size` (ZeRO-2, reduce-scattered by
+    the optimizer) or `allgather_bucket_size` (ZeRO-1), else the default."""
+    if config is None:
+        return BUCKET_NUMEL
+    return config.reduce_bucket_size if stage == 2 else config.allgather_bucket_size
+
+
+def cast_for_mixed_precision(model, args) -> None:
+    """16-bit parameters and gradients on the device; fp32 masters live in the optimizer shards."""
+    dtype = dtypes.half_dtype(dtypes.precision(args))
+    if dtype is not None:
+        model.to(dtype)
+
+
+def wrap(plain: torch.optim.Optimizer, stage: int, spec, args, config) -> ShardedOptimizer:
+    """`plain` sharded at `stage` with offload `spec`, as the flags and the config say: the fp16
+    loss scaler (the config's `fp16` section), `overlap_comm`, bucket size, gradient dtype."""
+    scaler = DynamicLossScaler(**config_apply.loss_scaler_kwargs(config)) if args.fp16 else None
+    overlap = config.overlap_comm if config is not None else True
+    accum = config.grad_accum_dtype if config is not None else None
+    return ShardedOptimizer.wrap(
+        plain, stage=stage, loss_scaler=scaler, offload=spec, bucket_numel=bucket_numel(config, stage),
+        overlap_comm=overlap, grad_dtype=dtypes.DTYPES.get(accum),
+    )  # fmt: skip
+
+
+def check_adoptable(optimizer, stage, spec, args) -> None:
+    """Refuse an optimizer that would silently not shard as `--sharded_ddp` / `--offload` ask."""
+    sharded = isinstance(optimizer, ShardedOptimizer)
+    if not sharded or optimizer.stage != stage or (optimizer.offload is None) != (spec is None):
+        raise ArgumentError(
+            f"--sharded_ddp asks for ZeRO-{stage} but the trainer was given {type(optimizer).__name__}"
+            f"{f' at stage {optimizer.stage}, offload {optimizer.offload}' if sharded else ''} through "
+            f"optimizers=(...); let the trainer build it (optimizer_cls_and_kwargs=...), or pass "
+            f"ShardedOptimizer.wrap(your_optimizer, stage={stage}, offload={spec})"
+        )
+    if args.fp16 and optimizer.loss_scaler is None:
+        raise ArgumentError("--fp16 needs the ShardedOptimizer built with loss_scaler=True")

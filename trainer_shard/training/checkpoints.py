@@ -1,0 +1,190 @@
+"""Checkpoints of a sharded run: staged, published whole, resumable at any world size.
+
+[Note: sharded checkpoints] A sharded run saves the model in the usual Hugging Face form and each
+rank's optimizer shard next to it (`optimizer_shards/`, see sharding/state_io.py); it resumes from
+such a folder at any world size, stage or offload, or without sharding. Every checkpoint is
+written under `.checkpoint-staging/` and renamed into place once all ranks have finished, with a
+manifest of its files' sizes and CRC-32s that resuming checks first.
+
+    save = StagedSave(run_dir, step, args, size, last)   # one checkpoint; the Trainer writes into
+    save.begin()                                         # save.staging, then:
+    save.record(error)                                   # a write error, for every rank to learn of
+    save.gather()                                        # every rank's outcome; raises if one failed
+    save.publish(state, shard_index)                     # manifest, rename, rotation
+"""
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
+
+from .. import comm, faults
+from ..checkpoint import STAGING, manifest_problems, publish, write_manifest
+from ..disk import describe_write_error, format_bytes, is_write_error
+from ..errors import CheckpointError
+from ..sharding import state_io
+
+
+def clear_staging(output_dir) -> None:
+    """Remove what a run killed while saving left in `output_dir/.checkpoint-staging`."""
+    shutil.rmtree(os.path.join(output_dir, STAGING), ignore_errors=True)
+
+
+def last_checkpoint_or_none(output_dir):
+    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+
+
+class StagedSave:
+    """One checkpoint, `checkpoint-N`: written under `run_dir/.checkpoint-staging/checkpoint-N`,
+    renamed into `run_dir` once every rank has written its files. A rank that cannot write (a full
+    or read-only disk) makes every rank raise `CheckpointError` naming it, with the partial
+    checkpoint removed and the earlier ones untouched. `begin`, `gather` and `publish` are
+    collectives.
+
+    `size()` says about how many bytes a checkpoint takes (for the error message); `last` is the
+    last complete checkpoint of this run, if any.
+    """
+
+    def __init__(self, run_dir: str, step: int, args, size, last=None):
+        self.args, self.size, self.last = args, size, last
+        self.run_dir = run_dir
+        self.name = f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        self.staging = os.path.join(run_dir, STAGING, self.name)
+        self.final = os.path.join(run_dir, self.name)
+        self.model_files = None  # {file: {"bytes", "crc32"}} of the weights, from save_model (rank 0)
+        self.shard_folder = self.shard_written = None  # this rank's optimizer shard: its file's info, or an error
+        self.failure = None  # the first write error on this rank, as text
+        self.outcomes = None  # every rank's (failure, shard_written), once gathered
+
+    def begin(self) -> None:
+        faults.at(phase=f"saving {self.name}")
+        if self.args.should_save:
+            shutil.rmtree(self.staging, ignore_errors=True)  # left by a run killed while saving
+        comm.barrier()
+
+    def record(self, error: BaseException, folder=None) -> None:
+        """Keep a write error in `folder` (default: the staging folder) for `gather`: raising
+        would leave the other ranks waiting at the Trainer's barrier. Re-raise anything else
+        (torch.save reports a full disk as a RuntimeError, which counts as a write error)."""
+        if not isinstance(error, OSError) and not is_write_error(error):
+            raise error
+        self.failure = self.failure or describe_write_error(error, folder or self.staging)
+
+    def save_optimizer_shard(self, optimizer, model, output_dir) -> None:
+        """This rank's optimizer shard into `output_dir/optimizer_shards/` (not collective)."""
+        self.shard_folder = Path(output_dir) / state_io.FOLDER
+        self.shard_written = state_io.write_shard(optimizer, self.shard_folder, state_io.param_names(model))
+
+    def gather(self) -> None:
+        """Every rank's files are written, or every rank raises naming who failed and why."""
+        self.outcomes = comm.all_gather_objects((self.failure, self.shard_written))
+        self._raise_if_failed(self.outcomes)
+
+    def shard_index(self, optimizer, model) -> dict:
+        """Rank 0: the index of the optimizer shards every rank wrote; their files' manifest entries."""
+        if optimizer is None or self.shard_folder is None:
+            return {}
+        files = state_io.shard_files([written for _, written in self.outcomes])
+        state_io.write_index(optimizer, self.shard_folder, state_io.param_names(model), files)
+        return {f"{state_io.FOLDER}/{name}": info for name, info in files.items()}
+
+    def publish(self, state, optimizer=None, model=None) -> str:
+        """Manifest, rename into place, rotation; returns the published path. Nobody goes on
+        before the checkpoint is in place."""
+        best = state.best_model_checkpoint
+        if best is not None and os.path.dirname(best) == os.path.join(self.run_dir, STAGING):
+            state.best_model_checkpoint = os.path.join(self.run_dir, os.path.basename(best))
+        failure = None
+        if self.args.should_save:
+            try:
+                if best != state.best_model_checkpoint:
+                    state.save_to_json(os.path.join(self.staging, TRAINER_STATE_NAME))
+                write_manifest(self.staging, {**(self.model_files or {}), **self.shard_index(optimizer, model)})
+                publish(self.staging, self.final)
+            except OSError as e:
+                failure = describe_write_error(e, self.staging)
+        self._raise_if_failed([(f, None) for f in comm.all_gather_objects(failure)])
+        if self.args.should_save:
+            rotate_checkpoints(self.run_dir, self.args.save_total_limit, state.best_model_checkpoint, use_mtime=False)
+        faults.at(phase="training")
+        return self.final
+
+    def _raise_if_failed(self, outcomes) -> None:
+        failed = [(r, failure or shard) for r, (failure, shard) in enumerate(outcomes)
+                  if failure or isinstance(shard, str)]  # fmt: skip
+        if not failed:
+            return
+        if self.args.should_save:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.staging))
+            except OSError:
+                pass
+        comm.barrier()
+        last = self.last or last_checkpoint_or_none(self.args.output_dir)
+        kept = f"{last} (the last complete checkpoint) is untouched" if last else "no earlier checkpoint exists"
+        causes = "; ".join(f"rank {r}: {text}" for r, text in failed)
+        fix = ("make it writable again, or point --output_dir at a writable disk" if "read-only" in causes else
+               "free space there (or lower --save_total_limit), or point --output_dir at a disk with room")  # fmt: skip
+        raise CheckpointError(
+            f"{self.name} was not saved: {causes}. A checkpoint of this run takes about "
+            f"{format_bytes(self.size())}. What it had written was removed; {kept}. To go on, {fix}, "
+            "and resume with --resume_from_checkpoint latest"
+        )
+
+
+def save_scheduler(scheduler, output_dir) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        torch.save(scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+    reissue_pt_warnings(caught)
+
+
+def has_optimizer_shards(checkpoint) -> bool:
+    """Whether `checkpoint` holds optimizer shards; if it holds neither those nor the Trainer's
+    own optimizer file, raise: resuming would restart the optimizer silently."""
+    if (Path(checkpoint) / state_io.FOLDER).is_dir():
+        return True
+    if not any((Path(checkpoint) / name).is_file() for name in (OPTIMIZER_NAME, OPTIMIZER_NAME_BIN)):
+        raise CheckpointError(
+            f"{str(checkpoint)!r} holds no optimizer state ({state_io.FOLDER}/ or {OPTIMIZER_NAME}): it was "
+            "saved with --save_only_model, or its save did not finish. Resuming would restart the optimizer "
+            "silently; resume from a complete checkpoint, or start a new run from these weights with "
+            "--model_name_or_path"
+        )
+    return False
+
+
+def load_optimizer_shards(checkpoint, optimizer, model, sharded: bool) -> None:
+    """The shards of `checkpoint` into `optimizer`: re-partitioned for a `ShardedOptimizer`
+    (`sharded`; collective), or whole into a plain torch optimizer."""
+    shards = Path(checkpoint) / state_io.FOLDER
+    if sharded:
+        state_io.load_shards(optimizer, shards, state_io.param_names(model))
+    else:
+        state_io.load_into_plain(optimizer, model, shards)
+
+
+def load_scheduler(checkpoint, scheduler) -> None:
+    path = Path(checkpoint) / SCHEDULER_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{str(path)!r} is missing: the LR schedule cannot resume; resume from a complete "
+                              "checkpoint")  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        scheduler.load_state_dict(torch.load(path, weights_only=True))
+    reissue_pt_warnings(caught)
+
+
+def check_manifest(checkpoint, rank: int, world_size: int) -> None:
+    """Check `checkpoint` against its manifest before loading (ranks share the CRC work;
+    collective when `world_size` > 1)."""
+    problems = manifest_problems(checkpoint, rank, world_size)
+    if world_size > 1:
+        problems = sorted({p for found in comm.all_gather_objects(problems) for p in found})
+    if problems:
+        raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be resumed: " + "; ".join(problems)
+                              + ". Resume from an earlier checkpoint")  # fmt: skip

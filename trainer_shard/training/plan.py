@@ -1,0 +1,108 @@
+"""The ZeRO stage and offload of a run, and the room it needs, decided before anything is built.
+
+    stage, spec = plan(args, config)                  # --sharded_ddp and the --offload config
+    stage, spec = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
+    states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
+    check_disk_room(spec, model, states, rank, world_size)        # the disk store's shard fits
+    checkpoint_bytes(model, sharded, states)          # about what one checkpoint writes
+
+stage: 1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process), or
+None without sharding; spec: the `OffloadSpec` of the optimizer's store, or None.
+"""
+
+import os
+import tempfile
+
+import torch
+
+from .. import comm, dtypes
+from ..args import ShardedDDPOption, stage_from_options
+from ..checkpoint import unique_state_dict
+from ..config import apply as config_apply
+from ..errors import ArgumentError
+from ..offload import OffloadSpec
+from ..offload.engine import per_element_state
+from ..offload.store import check_disk_store
+
+ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for size estimates
+
+
+def plan(args, config) -> tuple:
+    """(stage, spec) from the flags and the config (`--sharded_ddp "zero_dp_2 offload"` without a
+    config: CPU offload with the defaults)."""
+    options = getattr(args, "sharded_ddp", None) or []
+    stage = config_apply.zero_stage(config, stage_from_options(options))
+    spec = OffloadSpec.from_config(config) if config is not None else None
+    if ShardedDDPOption.OFFLOAD in options and spec is None:
+        spec = OffloadSpec("cpu")
+    return stage, spec
+
+
+def choose_strategy(args, model, train_dataset, config) -> tuple:
+    """--sharded_ddp auto: rank 0 estimates every strategy (planner.py: exact state bytes, a
+    measured activation probe) and picks the least costly one that fits the memory per rank
+    (the config's max_memory, else what it detects); every rank takes its choice. Collective."""
+    from .. import planner
+
+    rank = args.process_index
+    configured = getattr(config, "max_memory", None) or {}
+    device = args.device
+    budget = configured.get("cpu" if device.type == "cpu" else device.index or 0) or planner.detect_budget(device)
+    decision = None
+    if rank == 0:
+        source, target = planner.dataset_lengths(train_dataset) if train_dataset is not None else (128, 128)
+        precision = dtypes.precision(args)
+        with tempfile.TemporaryDirectory() as folder:
+            model.config.save_pretrained(folder)
+            probes = planner.measure_probes(folder, precision, source, target, device.type)
+        rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
+                                batch_size=args.per_device_train_batch_size, source_length=source,
+                                target_length=target, device=device.type, probes=probes, max_memory=budget)  # fmt: skip
+        choice = planner.choose(rows, budget)
+        decision = (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
+    chosen, why = comm.all_gather_objects(decision)[0]
+    if chosen is None:
+        raise ArgumentError(f"--sharded_ddp auto: {why}; lower --per_device_train_batch_size or the sequence "
+                            "lengths, or add ranks")  # fmt: skip
+    if rank == 0:
+        print(f"--sharded_ddp auto: {why}", flush=True)
+    strategy, offload = chosen
+    stage = {"ddp": None, "simple": 1, "zero_dp_2": 2}[strategy]
+    spec = {"none": None, "cpu": OffloadSpec("cpu"),
+            "disk": OffloadSpec("nvme", nvme_path=os.path.join(args.output_dir, "offload_store"))}[offload]  # fmt: skip
+    return stage, spec
+
+
+def state_tensors(optim_class, kwargs: dict):
+    """How many per-element state tensors `optim_class(**kwargs)` keeps (AdamW: 2), before it is
+    built; None for an optimizer factory (its class is known only once built)."""
+    if not (isinstance(optim_class, type) and issubclass(optim_class, torch.optim.Optimizer)):
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("params", "model", "optimizer_dict")}
+    return len(per_element_state(optim_class, kwargs))
+
+
+def trainable_numel(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_disk_room(spec, model, states, rank: int, world_size: int) -> None:
+    """Before training: room on disk for this rank's shard (master + the optimizer's per-element
+    state, fp32); the store checks the exact, padded size again when it opens. Nothing to check
+    for an optimizer factory (`states` None): the store checks once it is built."""
+    if spec is None or spec.device != "nvme" or states is None:
+        return
+    needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size))
+    check_disk_store(spec.nvme_path, rank, needed)
+
+
+def checkpoint_bytes(model, sharded: bool, states, with_optimizer: bool = True) -> int:
+    """About what a checkpoint writes: the weights as `save_model` writes them, and the optimizer's
+    state (fp32 masters and state when sharded, else the state in the parameters' dtype)."""
+    total = sum(t.numel() * t.element_size() for t in unique_state_dict(model).values())
+    if not with_optimizer:
+        return total
+    states = ADAM_STATES if states is None else states
+    if sharded:
+        return total + 4 * (1 + states) * trainable_numel(model)
+    return total + states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
