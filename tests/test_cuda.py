@@ -1,5 +1,7 @@
 """The CUDA paths: run where a GPU is present (NCCL with two), skipped cleanly elsewhere."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -64,4 +66,51 @@ def test_offload_from_gpu_matches_no_offload(tmp_path, device, dtype):
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: the gradient shard accumulates in bf16
     for p, q in zip(reference.parameters(), ours.parameters()):
         assert torch.allclose(p.float(), q.float(), atol=tolerance)
+    opt.close()
+
+
+def _steps(model, opt, xs):
+    for x in xs:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@cuda
+@pytest.mark.parametrize("fused", [True, False])
+def test_resume_keeps_step_where_torch_keeps_it(tmp_path, fused):
+    """Resumed from optimizer shards (the Trainer's checkpoints, read on the CPU), AdamW finds its
+    "step" where torch's load_state_dict puts it: on the GPU for the fused kernel (which fails on
+    a CPU step), a CPU counter otherwise; the resumed run ends where the uninterrupted one does."""
+    from trainer_shard.sharding import state_io
+
+    torch.manual_seed(1)
+    xs = [torch.randn(16, 32, device="cuda") for _ in range(4)]
+    straight = make(torch.float32)
+    opt = ShardedOptimizer(straight.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-2, fused=fused)
+    _steps(straight, opt, xs[:2])
+    state_io.save_shards(opt, tmp_path / "shards", state_io.param_names(straight))
+    resumed = make(torch.float32)  # step-0 weights: the shards' masters replace them
+    again = ShardedOptimizer(resumed.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-2, fused=fused)
+    state_io.load_shards(again, tmp_path / "shards", state_io.param_names(resumed))
+    steps = [again.optim.state[v]["step"] for v in again.flats[0].master_views]
+    assert all(s.device.type == ("cuda" if fused else "cpu") for s in steps)
+    _steps(resumed, again, xs[2:])
+    _steps(straight, opt, xs[2:])
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+
+@cuda
+def test_zero_dp_2_offload_pins_its_cpu_store():
+    """`--sharded_ddp "zero_dp_2 offload"` on a GPU: the CPU store is page-locked, as the README says."""
+    from trainer_shard import ShardedDDPOption
+    from trainer_shard.training import plan
+
+    args = SimpleNamespace(sharded_ddp=[ShardedDDPOption("zero_dp_2"), ShardedDDPOption("offload")])
+    stage, spec = plan.plan(args, None)
+    model = make(torch.bfloat16)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=stage, lr=1e-2, offload=spec)
+    assert opt.stepper.store.pinned and all(t.is_pinned() for t in opt.stepper.store._tensors.values())
+    _steps(model, opt, [torch.randn(4, 32, device="cuda", dtype=torch.bfloat16)])
     opt.close()

@@ -50,7 +50,7 @@ def test_one_process_offload_equals_no_offload(tmp_path, kind, chunk, buffers, c
     assert flat == ref_flat if exact else flat == pytest.approx(ref_flat, rel=1e-6)
     assert max_diff(model, reference) <= (0.0 if exact else 1e-6)
     assert max_diff(model, make_model()) > 1e-3  # the steps moved the weights
-    saved, expected = opt.state_dict(), ref_opt.state_dict()
+    saved = opt.local_state_dict()
     assert sorted(saved["inner"][0]) == ["exp_avg", "exp_avg_sq", "step"]
     ref_state = [ref_opt.optim.state[v]["exp_avg_sq"] for v in ref_opt.flats[0].master_views]
     assert torch.allclose(saved["inner"][0]["exp_avg_sq"], torch.cat(ref_state), rtol=1e-5, atol=1e-12)
@@ -159,3 +159,17 @@ def test_fp32_gradient_shard_makes_bf16_offload_equal_no_offload(tmp_path):
     run_steps(model, opt, 0, steps=4, accumulation=2, clip=0.5, sharded=True)
     assert opt.flats[0].grad.dtype == torch.float32
     assert max_diff(model, reference) == 0.0
+
+
+def test_zero_dp_2_offload_asks_for_a_pinned_store_when_cuda_is_present(monkeypatch):
+    """`--sharded_ddp "zero_dp_2 offload"` (no config): the CPU store is page-locked where CUDA is,
+    so chunks cross to and from the GPU asynchronously, as the README says; not without CUDA."""
+    from types import SimpleNamespace
+
+    from trainer_shard import ShardedDDPOption
+    from trainer_shard.training import plan
+
+    args = SimpleNamespace(sharded_ddp=[ShardedDDPOption("zero_dp_2"), ShardedDDPOption("offload")])
+    for cuda in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        assert plan.plan(args, None) == (2, OffloadSpec("cpu", pin_memory=cuda))

@@ -12,7 +12,7 @@ from transformers import (
 
 from trainer_shard import ShardedSeq2SeqTrainer, ShardedSeq2SeqTrainingArguments
 from trainer_shard.data import TokenizedSeq2SeqDataset, read_split
-from trainer_shard.trainer import model_normalizes_by_num_items
+from trainer_shard.training import loss
 
 
 def train(trainer_cls, args_cls, model_dir, data_dir, out_dir):
@@ -45,13 +45,14 @@ def test_bit_identical_to_seq2seq_trainer(tiny_model, tiny_data, tmp_path):
 
 
 def test_seq2seq_models_with_mean_losses_are_detected(tiny_model):
+    """T5 takes **kwargs but returns a per-batch mean: what it does, seen on a forward, says so."""
     model = AutoModelForSeq2SeqLM.from_pretrained(tiny_model)
-    assert not model_normalizes_by_num_items(model)  # T5 returns a per-batch mean
-
-    class Counting(torch.nn.Module):
-        def forward(self, x, **kwargs):
-            return self.loss_function(x, **kwargs)
-
-    assert model_normalizes_by_num_items(Counting())
+    assert loss.declared_normalization(model) is None  # **kwargs: it does not say
+    observer = loss.LossKwargsObserver(model)
+    with observer:
+        model(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 3, dtype=torch.long),
+              num_items_in_batch=torch.tensor(3))  # fmt: skip
+    assert observer.can_observe and not observer.normalized
+    assert "_loss_function" not in model.__dict__  # put back as it was
     model.accepts_loss_kwargs = True  # a model's own declaration wins
-    assert model_normalizes_by_num_items(model)
+    assert loss.declared_normalization(model) is True

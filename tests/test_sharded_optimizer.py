@@ -9,7 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import spawn
 from trainer_shard import ShardingError
-from trainer_shard.sharding import ShardedOptimizer
+from trainer_shard.sharding import DynamicLossScaler, ShardedOptimizer
+from trainer_shard.sharding.optimizer import NotConsolidatedError
 
 pytestmark = pytest.mark.multiproc
 
@@ -80,9 +81,15 @@ def check_parity(rank, world_size, stage):
     assert opt.shard_bytes()["optimizer_state"] <= 0.51 * sum(
         v.numel() * v.element_size() for s in ref_opt.state.values() for v in s.values() if v.dim() > 0
     )
-    # consolidate -> the local optimizer's state; load it back into a fresh sharded optimizer
+    # consolidate -> the local optimizer's state; load it back into a fresh sharded optimizer (on
+    # a copy of the model: a second optimizer on the same parameters would take them over)
     opt.consolidate_state_dict(to=0)
-    fresh = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=stage, bucket_numel=300, lr=3e-2)
+    if rank == 1:  # the full state is on rank 0 only; this rank's shard is not it (ZeroRedundancyOptimizer's rule)
+        with pytest.raises(NotConsolidatedError, match="consolidated on rank 0"):
+            opt.state_dict()
+    clone = make_model()
+    clone.load_state_dict(ours.state_dict())
+    fresh = ShardedOptimizer(groups(clone), optim=torch.optim.AdamW, stage=stage, bucket_numel=300, lr=3e-2)
     if rank == 0:
         full = opt.state_dict()
         reference_state = ref_opt.state_dict()
@@ -204,10 +211,6 @@ def test_refusals():
         ShardedOptimizer(model.parameters())
     with pytest.raises(ShardingError, match="stage must be 1"):
         ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=3, lr=0.1)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    with pytest.raises(ShardingError, match="no trainable parameter"):
-        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, lr=0.1)
 
 
 def check_mismatch(rank, world_size):
@@ -266,3 +269,109 @@ def check_add_param_group(rank, world_size):
 
 def test_add_param_group():
     spawn(check_add_param_group, 2)
+
+
+def check_recreated_optimizer(rank, world_size):
+    """A second optimizer on the same model (a re-created one) steps as a fresh torch optimizer
+    would; the first is closed: its hooks removed, and it says why if stepped."""
+    reference, ours = DDP(make_model()), make_model()
+    first = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=2, bucket_numel=300, lr=3e-2)
+    ref_first = torch.optim.AdamW(groups(reference.module), lr=3e-2)
+    run_steps(reference, ref_first, rank, steps=2)
+    run_steps(ours, first, rank, steps=2, sharded=True)
+    second = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=2, bucket_numel=300, lr=1e-2)
+    ref_second = torch.optim.AdamW(groups(reference.module), lr=1e-2)  # fresh state: what the second must match
+    losses = run_steps(ours, second, rank, steps=3, sharded=True)
+    ref_losses = run_steps(reference, ref_second, rank, steps=3)
+    assert [v for pair in losses for v in pair] == pytest.approx([v for pair in ref_losses for v in pair], abs=1e-5)
+    for p, q in zip(reference.module.parameters(), ours.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), (p - q).abs().max()
+    assert first.closed and first.reducer._handles == []
+    with pytest.raises(ShardingError, match="a newer ShardedOptimizer took its parameters over"):
+        first.step()
+
+
+def test_recreated_optimizer_trains_as_a_fresh_one():
+    spawn(check_recreated_optimizer, 2)
+
+
+def check_fp16_mean_does_not_overflow(rank, world_size):
+    """fp16 gradients of 40000 and 32000 on the two ranks: their sum (72000) overflows fp16, their
+    mean (36000) does not. Divided by the world size before the reduction (as DDP does), the step
+    is taken and equals fp32 SGD on the mean gradient; summed first, it would be skipped as inf."""
+    model = torch.nn.Linear(2, 1, bias=True).half()
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=2, lr=1e-5, bucket_numel=2,
+                           loss_scaler=DynamicLossScaler(init_scale=1.0))  # fmt: skip
+    x = torch.full((1, 2), 40000.0 if rank == 0 else 32000.0, dtype=torch.float16)
+    opt.loss_scaler.scale_loss(model(x).sum()).backward()  # weight: one bucket of its own, bias: padded
+    opt.step()
+    assert not opt.step_was_skipped and opt.loss_scaler.scale == 1.0
+    # the reference: fp32 SGD on the whole model with the mean of both ranks' gradients
+    reference = torch.nn.Linear(2, 1, bias=True)
+    torch.nn.init.zeros_(reference.weight)
+    torch.nn.init.zeros_(reference.bias)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-5)
+    sum(reference(torch.full((1, 2), value)).sum() for value in (40000.0, 32000.0)).div(2).backward()
+    ref_opt.step()
+    assert torch.equal(model.weight, reference.weight.half()) and torch.equal(model.bias, reference.bias.half())
+    flat = opt.flats[0]
+    for seg in flat.segments:  # this rank's fp32 masters: the reference's fp32 weights
+        expected = [reference.weight, reference.bias][seg.index].detach().reshape(-1)[seg.param_start :][: seg.numel]
+        assert torch.equal(flat.master[seg.shard_start : seg.shard_start + seg.numel], expected)
+
+
+def test_fp16_gradients_are_divided_before_they_are_summed():
+    spawn(check_fp16_mean_does_not_overflow, 2)
+
+
+UNFREEZE = {2: ([1], []), 4: ([0], [3])}  # step: (modules to unfreeze, modules to freeze)
+
+
+def unfreezing_optimizer(model, make, **kwargs):
+    """The embedding (0) and the first linear (1) frozen when the optimizer is built, the first
+    linear's group added while frozen; only the head (3) trains at first."""
+    for module in (model[0], model[1]):
+        module.requires_grad_(False)
+    opt = make([{"params": list(model[0].parameters()), "lr": 2e-2}, {"params": list(model[3].parameters())}], **kwargs)
+    opt.add_param_group({"params": list(model[1].parameters()), "weight_decay": 0.1})
+    return opt
+
+
+def train_unfreezing(model, opt, rank, world_size, *, steps=6, whole=False):
+    """UNFREEZE's schedule; `whole`: every rank's batch at once (the reference on the whole model),
+    else this rank's batch. Returns the head as it was when it was frozen."""
+    head = None
+    for step in range(steps):
+        unfreeze, freeze = UNFREEZE.get(step, ([], []))
+        for i in unfreeze:
+            model[i].requires_grad_(True)
+        for i in freeze:
+            model[i].requires_grad_(False)
+            head = [p.detach().clone() for p in model[i].parameters()]
+        ranks = range(world_size) if whole else [rank]
+        (sum(loss_fn(model, batch(r, step, 0)) for r in ranks) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad()
+    return head
+
+
+def check_unfreezing(rank, world_size):
+    """Progressive unfreezing as torch's optimizers do it: a parameter frozen at construction
+    trains once it requires grad (its state and step count start then), a group added while
+    frozen too, and one frozen later stays as it was."""
+    reference, ours = make_model(), make_model()
+    ref_opt = unfreezing_optimizer(reference, torch.optim.AdamW, lr=3e-2)
+    opt = unfreezing_optimizer(ours, ShardedOptimizer, optim=torch.optim.AdamW, stage=2, bucket_numel=300, lr=3e-2)
+    ref_head = train_unfreezing(reference, ref_opt, rank, world_size, whole=True)
+    head = train_unfreezing(ours, opt, rank, world_size)
+    for (name, p), q in zip(reference.named_parameters(), ours.parameters()):
+        assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{name}: {(p - q).abs().max()}"
+    assert all(torch.equal(a, b) for a, b in zip(head, ours[3].parameters()))  # frozen at step 4: not moved since
+    assert all(torch.equal(a, b) for a, b in zip(ref_head, reference[3].parameters()))
+    assert not torch.equal(ours[0].weight, make_model()[0].weight)  # unfrozen at step 4: trained
+
+
+def test_parameters_unfrozen_later_are_trained_as_torch_does():
+    spawn(check_unfreezing, 2)

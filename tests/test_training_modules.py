@@ -3,6 +3,7 @@ guard, the run's plan and its size estimates, the optimizer it builds, staged ch
 and fault supervision. The references are independent: the bytes a real save writes, the errors
 a real disk gives, torch's own optimizers."""
 
+import copy
 import errno
 import os
 from pathlib import Path
@@ -10,11 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForSeq2SeqLM, TrainerControl, TrainerState
+from transformers import (AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, TrainerControl, TrainerState,
+                          TrainingArguments)
 from transformers.training_args import ParallelMode
 
 from test_sharded_optimizer import make_model
-from trainer_shard import ArgumentError, DistributedSetupError, OffloadSpec, OffloadStoreError
+from trainer_shard import ArgumentError, DistributedSetupError, OffloadSpec, OffloadStoreError, ShardedTrainer
 from trainer_shard.checkpoint import MANIFEST, STAGING, manifest_problems, save_model
 from trainer_shard.disk import format_bytes
 from trainer_shard.errors import CheckpointError
@@ -183,3 +185,138 @@ def test_supervision_lets_errors_through_on_one_process():
         with supervisor.running(timeout=60):
             raise ValueError("boom")
     supervisor.raise_if_interrupted(0, None)  # no signal: nothing raised
+
+
+# ---- loss normalization -------------------------------------------------------------------------
+
+
+class _TinyConfig(PretrainedConfig):
+    model_type = "trainer-shard-tiny-loss"
+
+
+class _Tiny(PreTrainedModel):
+    config_class = _TinyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.loss_type = "ForMaskedLM"  # no label shift: every label counts
+        self.lin = torch.nn.Linear(4, 3)
+
+    def _init_weights(self, module):
+        pass
+
+
+class MeanLoss(_Tiny):
+    """A per-batch mean, in a forward whose text names loss_function (the old test read the text)."""
+
+    def forward(self, x, labels=None, **kwargs):
+        logits = self.lin(x)  # not self.loss_function: a plain mean over this micro-batch
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+class CountedLoss(_Tiny):
+    """Divides by num_items_in_batch, through a helper: forward's own text names neither."""
+
+    def forward(self, x, labels=None, **kwargs):
+        logits = self.lin(x)
+        return {"loss": self._loss(logits, labels, **kwargs), "logits": logits}
+
+    def _loss(self, logits, labels, **kwargs):
+        return self.loss_function(logits, labels, vocab_size=3, **kwargs)
+
+
+class _InOrder(ShardedTrainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _cross_entropy(model, batch, reduction="mean"):
+    logits = model.lin(batch["x"])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction=reduction)
+
+
+@pytest.mark.parametrize("model_class", [MeanLoss, CountedLoss])
+def test_gradient_accumulation_averages_what_each_model_computes(model_class, tmp_path):
+    """Two micro-batches a step, of 4 and 2 labelled tokens: the weights equal a plain loop's on
+    what the model's loss means (a token mean over the step for CountedLoss, the mean of the
+    micro-batches' means for MeanLoss), told by what the model does, not by its source text."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    full = {"x": x, "labels": torch.tensor([0, 2])}
+    half = {"x": x, "labels": torch.tensor([1, -100])}
+    model = model_class(_TinyConfig())
+    reference, initial = copy.deepcopy(model), model.lin.weight.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no",
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+                             optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", weight_decay=0.0,
+                             max_grad_norm=0.0, remove_unused_columns=False, disable_tqdm=True)  # fmt: skip
+    _InOrder(model=model, args=args, train_dataset=[full, full, half, half] * 4).train()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    micro = [{k: torch.stack([v, v]) for k, v in sample.items()} for sample in (full, half)]
+    for _ in range(3):
+        if model_class is CountedLoss:
+            loss = sum(_cross_entropy(reference, b, "sum") for b in micro) / 6  # 6 labelled tokens a step
+        else:
+            loss = sum(_cross_entropy(reference, b) for b in micro) / 2
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        assert reference.lin.weight.sub(initial).abs().max() > 0.1  # the steps moved the weights
+        assert torch.allclose(model.lin.weight, reference.lin.weight, rtol=1e-5, atol=1e-6)
+
+
+# ---- --sharded_ddp auto on several ranks ------------------------------------------------------
+
+
+def _auto_on_rank(rank, world_size, init_file, out):
+    """choose_strategy twice on a 2-rank gloo group whose collectives time out after 2 s; rank 0's
+    probe takes 4 s, then succeeds, then fails. Writes what each rank got each time."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from trainer_shard import planner
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=2))  # fmt: skip
+    calls = []
+
+    def probes(*args, **kwargs):
+        time.sleep(4)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the memory probe failed:\nKilled")
+        return {}
+
+    planner.measure_probes, planner.detect_budget = probes, lambda device: 10**12
+    planner.estimate = lambda config, **kwargs: []
+    planner.choose = lambda rows, budget: {"strategy": "zero_dp_2", "offload": "cpu"}
+    planner.explain = lambda rows, choice, budget: "zero_dp_2 + cpu offload fits"
+    args = SimpleNamespace(process_index=rank, device=torch.device("cpu"), world_size=world_size, bf16=False,
+                           fp16=False, per_device_train_batch_size=2, output_dir=out)  # fmt: skip
+    model = SimpleNamespace(config=SimpleNamespace(save_pretrained=lambda folder: None))
+    for attempt in ("slow", "fails"):
+        try:
+            got = repr(plan.choose_strategy(args, model, None, None))
+        except Exception as e:
+            got = f"{type(e).__name__}: {e}"
+        Path(out, f"{attempt}{rank}").write_text(got)
+    dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+def test_sharded_ddp_auto_waits_for_the_probe_and_shares_its_failure(tmp_path):
+    """Rank 0's probe outlasts the group's timeout: rank 1 waits for it; it fails: every rank
+    raises the same error, naming the probe's."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_auto_on_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    slow, fails = ([(tmp_path / f"{attempt}{r}").read_text() for r in range(2)] for attempt in ("slow", "fails"))
+    assert slow == [repr((2, OffloadSpec("cpu")))] * 2
+    assert fails[0] == fails[1], fails
+    assert fails[0].startswith("TrainerShardError: --sharded_ddp auto: the memory probe on rank 0 failed") and (
+        "Killed" in fails[0])  # fmt: skip

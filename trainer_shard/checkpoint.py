@@ -11,11 +11,13 @@ The file is the standard format (8-byte header length, JSON header, raw little-e
 loaded by `from_pretrained` and `safetensors.torch.load_file` as any other.
 """
 
+import functools
 import json
 import os
 import re
 import shutil
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -27,7 +29,8 @@ from .errors import CheckpointError
 
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL"}  # fmt: skip
+           torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}  # fmt: skip
 _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
@@ -66,10 +69,13 @@ class Chunked:
         return n
 
 
-def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> dict:
+def save_safetensors(tensors: dict, path, metadata: dict | None = None, per_tensor: bool = False) -> dict:
     """Write `tensors` (tensors or `Chunked`) to `path` in safetensors format, one at a time,
     copying none of them (a CPU tensor is written from its own memory, a `Chunked` through one
-    chunk buffer). Written to `path.tmp`, then renamed. Returns {"bytes", "crc32"} of the file."""
+    chunk buffer). Written to `path.tmp`, then renamed. Returns {"bytes", "crc32"} of the file,
+    and with `per_tensor` "tensors": {name: {"dtype", "shape", "crc32"}}, the CRC-32 of each
+    tensor's bytes (what a checkpoint's manifest records of its weights, whatever files they are
+    later split into); both come from one pass over the bytes."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
@@ -82,21 +88,25 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> dict:
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     tmp = Path(f"{path}.tmp")
+    crcs = {}
     try:
         with open(tmp, "wb") as f:
             crc = _Crc(f)
             crc.write(struct.pack("<Q", len(encoded)))
             crc.write(encoded)
-            for tensor in tensors.values():
-                for piece in _pieces(tensor):
-                    crc.write(memoryview(piece.reshape(-1).view(torch.uint8).numpy()))
+            for name, tensor in tensors.items():
+                crcs[name] = crc.write_tensor(_pieces(tensor))
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
         raise
     os.replace(tmp, path)  # a save that fails half-way leaves the previous file in place
-    return {"bytes": crc.bytes, "crc32": crc.value}
+    written = {"bytes": crc.bytes, "crc32": crc.value}
+    if per_tensor:
+        written["tensors"] = {name: {**{k: header[name][k] for k in ("dtype", "shape")}, "crc32": crcs[name]}
+                              for name in tensors}  # fmt: skip
+    return written
 
 
 def _pieces(tensor):
@@ -126,6 +136,54 @@ class _Crc:
         self.value = zlib.crc32(data, self.value)
         self.bytes += len(data)
 
+    def write_tensor(self, pieces) -> int:
+        """Write a tensor's pieces; returns the CRC-32 of its bytes alone (the file's follows by
+        `crc32_combine`, so the bytes are read once)."""
+        value = size = 0
+        for piece in pieces:
+            data = memoryview(piece.reshape(-1).view(torch.uint8).numpy())
+            self.f.write(data)
+            value = zlib.crc32(data, value)
+            size += len(data)
+        self.value = crc32_combine(self.value, value, size)
+        self.bytes += size
+        return value
+
+
+def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
+    """The CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len(B) (zlib's
+    `crc32_combine`, which Python does not expose): crc1 is run through `length2` zero bytes by
+    the GF(2) operators for 2**k zero bytes, one per set bit of `length2`."""
+    k = 0
+    while length2:
+        if length2 & 1:
+            crc1 = _gf2_times(_zero_bytes_operator(k), crc1)
+        length2 >>= 1
+        k += 1
+    return crc1 ^ crc2
+
+
+def _gf2_times(matrix: list, vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+@functools.cache
+def _zero_bytes_operator(k: int) -> list:
+    """The 32x32 GF(2) matrix that appends 2**k zero bytes to a CRC-32 (one squaring per k)."""
+    if k == 0:
+        operator = [0xEDB88320] + [1 << n for n in range(31)]  # one zero bit: the reflected polynomial
+        for _ in range(3):  # 2, 4, 8 bits
+            operator = [_gf2_times(operator, row) for row in operator]
+        return operator
+    previous = _zero_bytes_operator(k - 1)
+    return [_gf2_times(previous, row) for row in previous]
+
 
 def file_crc32(path, block: int = 2**24) -> int:
     value = 0
@@ -148,15 +206,18 @@ class SafetensorsFile:
         f.read("flat0.exp_avg", 1000, 2000)   # elements [1000, 2000) of the flattened tensor
 
     A file too short for its header, or a header that is not valid, raises `CheckpointError`
-    naming the file.
+    naming the file; its `problem` says what is wrong without the advice. Close it (or use it in
+    a `with` block): one left open warns, as Python's own files do (`ResourceWarning`).
     """
+
+    _fd = None
 
     def __init__(self, path):
         self.path = Path(path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
-            raise CheckpointError(f"cannot open checkpoint file {str(self.path)!r}: {e.strerror}") from None
+            raise _unreadable(f"cannot open checkpoint file {str(self.path)!r}: {e.strerror}") from None
         size = os.fstat(self._fd).st_size
         try:
             (length,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
@@ -173,10 +234,8 @@ class SafetensorsFile:
                     raise ValueError(f"{name!r} lies beyond the end of the file")
                 self.tensors[name] = (dtype, tuple(info["shape"]), begin, end)
         except (ValueError, KeyError, TypeError, struct.error) as e:
-            os.close(self._fd)
-            raise CheckpointError(
-                f"checkpoint file {str(self.path)!r} is corrupt or truncated ({e}); resume from an earlier checkpoint"
-            ) from None
+            self.close()
+            raise _unreadable(f"checkpoint file {str(self.path)!r} is corrupt or truncated ({e})") from None
 
     def keys(self):
         return self.tensors.keys()
@@ -200,24 +259,55 @@ class SafetensorsFile:
         end = numel if end is None else end
         if out is None:
             out = torch.empty(end - start, dtype=dtype)
-        size = _itemsize(dtype)
         if out.numel():
             view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-            got = os.preadv(self._fd, [view], self._data_start + begin + start * size)
-            if got != len(view):
-                raise CheckpointError(f"checkpoint file {str(self.path)!r} ends inside {name!r}: truncated")
+            self._read_into(view, self._data_start + begin + start * _itemsize(dtype), name)
         return out.view(shape) if whole else out
+
+    def crc32(self, name: str, block: int = 2**24) -> int:
+        """The CRC-32 of tensor `name`'s bytes, read `block` bytes at a time."""
+        _, _, begin, end = self.tensors[name]
+        value, offset, stop = 0, self._data_start + begin, self._data_start + end
+        buffer = memoryview(bytearray(min(block, max(end - begin, 1))))
+        while offset < stop:
+            view = buffer[: min(len(buffer), stop - offset)]
+            self._read_into(view, offset, name)
+            value = zlib.crc32(view, value)
+            offset += len(view)
+        return value
+
+    def _read_into(self, view: memoryview, offset: int, name: str) -> None:
+        """Fill `view` from `offset`. One read call returns at most 0x7ffff000 bytes on Linux
+        (about 2 GiB; and any call may return fewer), so read until it is full; only a read that
+        returns nothing means the file ends early."""
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(f"checkpoint file {str(self.path)!r} ends inside {name!r}: truncated")
+            done += got
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self):
+        if self._fd is not None:
+            warnings.warn(f"unclosed checkpoint file {str(self.path)!r}", ResourceWarning, stacklevel=2)
+            self.close()
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _unreadable(problem: str) -> CheckpointError:
+    error = CheckpointError(f"{problem}; resume from an earlier checkpoint")
+    error.problem = problem
+    return error
 
 
 def save_model(model, output_dir, max_shard_size: int = 5 * 10**9) -> dict:
@@ -235,7 +325,7 @@ def save_model(model, output_dir, max_shard_size: int = 5 * 10**9) -> dict:
 def save_sharded(tensors: dict, out, limit: int) -> dict:
     """`out/model.safetensors`, or several files of at most `limit` bytes (a bigger tensor alone)
     with `model.safetensors.index.json`, the layout `from_pretrained` reads a file at a time.
-    Returns {file name: {"bytes", "crc32"}}."""
+    Returns {file name: {"bytes", "crc32", "tensors"}} (see `save_safetensors`)."""
     out = Path(out)
     groups, current, size = [], {}, 0
     for name, tensor in tensors.items():
@@ -249,11 +339,11 @@ def save_sharded(tensors: dict, out, limit: int) -> dict:
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # a previous save with another split
     if len(groups) == 1:
-        return {"model.safetensors": save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"})}
+        return {"model.safetensors": save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"}, True)}
     files, weight_map = {}, {}
     for i, group in enumerate(groups):
         filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        files[filename] = save_safetensors(group, out / filename, {"format": "pt"})
+        files[filename] = save_safetensors(group, out / filename, {"format": "pt"}, True)
         weight_map.update({name: filename for name in group})
     total = sum(t.numel() * _itemsize(t.dtype) for group in groups for t in group.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -278,34 +368,90 @@ def check_writable(folder, needed: int, what: str, purpose: str = "") -> None:
 
 MANIFEST = "checkpoint_manifest.json"
 STAGING = ".checkpoint-staging"  # checkpoints are written here, then renamed into place
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+# [Note: the manifest and the weights' form]
+# The manifest records what a checkpoint needs, so that resuming refuses a missing, truncated or
+# altered file. Most files are recorded whole (size and CRC-32). The model's weights are recorded
+# by tensor (dtype, shape, CRC-32 of its bytes) under "weights", not by file: transformers'
+# tooling and `save_pretrained(max_shard_size=...)` re-split model.safetensors into
+# model-0000k-of-0000n.safetensors with an index (or merge them back), and the Trainer resumes
+# from either form. What is checked is the form `from_pretrained` reads now (model.safetensors
+# when present, else the files its index names): every saved tensor in it, with its dtype, shape
+# and bytes. A manifest written before this (weights files under "files") is checked file by file.
 
 
 def write_manifest(folder, known: dict | None = None) -> None:
-    """`folder/checkpoint_manifest.json`: every file's size and CRC-32 (`known` ones, by relative
-    path, are taken as given: the writer computed them as it wrote)."""
+    """`folder/checkpoint_manifest.json`: every file's size and CRC-32, and the weights tensor by
+    tensor (see [Note: the manifest and the weights' form]). `known` entries, by relative path,
+    are taken as given: the writer computed them as it wrote (with "tensors" for weights files)."""
     folder = Path(folder)
     known = known or {}
-    files = {}
+    weights_files, _ = current_weights(folder)
+    files, weights = {}, {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
         name = path.relative_to(folder).as_posix()
-        files[name] = known.get(name) or {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+        if name == WEIGHTS_INDEX:
+            continue  # part of the weights' form, checked through the files it names
+        tensors = (known.get(name) or {}).get("tensors") if name in weights_files else None
+        if name in weights_files and tensors is None:
+            tensors = _tensor_records(path)
+        if tensors is not None:
+            weights.update(tensors)
+            continue
+        entry = known.get(name) or {"bytes": path.stat().st_size, "crc32": file_crc32(path)}
+        files[name] = {"bytes": entry["bytes"], "crc32": entry["crc32"]}
+    manifest = {"files": files, **({"weights": weights} if weights else {})}
     tmp = folder / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
+    tmp.write_text(json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
+
+
+def _tensor_records(path) -> dict | None:
+    """{tensor: {"dtype", "shape", "crc32"}} of a safetensors file; None when it is not one."""
+    try:
+        with SafetensorsFile(path) as f:
+            return {name: {"dtype": _DTYPES[f.dtype(name)], "shape": list(f.shape(name)), "crc32": f.crc32(name)}
+                    for name in f.keys()}  # fmt: skip
+    except CheckpointError:
+        return None
+
+
+def current_weights(folder) -> tuple:
+    """(file names, problems): the safetensors weights `from_pretrained` and the Trainer read in
+    `folder`: model.safetensors when it is there, else the files model.safetensors.index.json
+    names; no files when there are neither."""
+    folder = Path(folder)
+    if (folder / WEIGHTS).is_file():
+        return [WEIGHTS], []
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return [], []
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted(set(weight_map.values())), []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return [], [f"{str(index)!r} is corrupt ({type(e).__name__}: {e})"]
 
 
 def manifest_problems(folder, rank: int = 0, world_size: int = 1) -> list:
     """What is wrong with a checkpoint against its manifest: missing files, sizes, and the CRC-32
-    of every `world_size`-th file (this rank's share). [] without a manifest (a plain Trainer's)."""
+    of every `world_size`-th file (this rank's share); the weights in whatever form they are now
+    (`weights_problems`). [] without a manifest (a plain Trainer's)."""
     folder = Path(folder)
     path = folder / MANIFEST
     if not path.is_file():
         return []
     try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
+        manifest = json.loads(path.read_text())
+        files, weights = manifest["files"], manifest.get("weights")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return [f"{str(path)!r} is corrupt ({e})"]
-    return file_problems(folder, files, rank, world_size)
+    problems = file_problems(folder, files, rank, world_size)
+    if weights:
+        problems += weights_problems(folder, weights, rank, world_size)
+    return problems
 
 
 def file_problems(folder, files: dict, rank: int = 0, world_size: int = 1) -> list:
@@ -321,6 +467,53 @@ def file_problems(folder, files: dict, rank: int = 0, world_size: int = 1) -> li
         elif position % world_size == rank and file_crc32(file) != info["crc32"]:
             problems.append(f"{str(file)!r} is corrupt: its CRC-32 differs from the one recorded when it was saved")
     return problems
+
+
+def weights_problems(folder, saved: dict, rank: int = 0, world_size: int = 1) -> list:
+    """The weights as `from_pretrained` finds them in `folder` now (`current_weights`: one file,
+    or any split with its index) against the tensors `saved` ({name: {"dtype", "shape",
+    "crc32"}}): each file there and readable to its end, every saved tensor in one of them with
+    the same dtype and shape, and (every `world_size`-th file, this rank's share) the same bytes.
+    Tensors that were not saved are not looked at. See [Note: the manifest and the weights' form]."""
+    folder = Path(folder)
+    names, problems = current_weights(folder)
+    if problems:
+        return problems
+    if not names:
+        return [f"{str(folder / WEIGHTS)!r} is missing (and no {WEIGHTS_INDEX} names other weights files)"]
+    found = set()
+    for position, name in enumerate(names):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{str(path)!r} is missing" + (f" ({WEIGHTS_INDEX} names it)" if name != WEIGHTS else ""))
+            continue
+        try:
+            with SafetensorsFile(path) as f:
+                for tensor in f.keys():
+                    found.add(tensor)
+                    problem = _tensor_problem(f, tensor, saved.get(tensor), position % world_size == rank)
+                    if problem:
+                        problems.append(problem)
+        except CheckpointError as e:
+            problems.append(getattr(e, "problem", str(e)))
+    lacking = sorted(set(saved) - found)
+    if lacking and not problems:  # a file that cannot be read already explains its tensors
+        shown = ", ".join(map(repr, lacking[:5])) + (f" and {len(lacking) - 5} more" if len(lacking) > 5 else "")
+        problems.append(f"the weights in {str(folder)!r} ({', '.join(names)}) lack {shown}, saved with this "
+                        "checkpoint")  # fmt: skip
+    return problems
+
+
+def _tensor_problem(f: "SafetensorsFile", tensor: str, saved: dict | None, check_bytes: bool) -> str | None:
+    if saved is None:
+        return None
+    dtype, shape = _DTYPES[f.dtype(tensor)], list(f.shape(tensor))
+    if (dtype, shape) != (saved["dtype"], list(saved["shape"])):
+        return (f"{str(f.path)!r} holds {tensor!r} as {dtype} {shape}, it was saved as {saved['dtype']} "
+                f"{list(saved['shape'])}: altered")  # fmt: skip
+    if check_bytes and f.crc32(tensor) != saved["crc32"]:
+        return f"{str(f.path)!r} is corrupt: the bytes of {tensor!r} differ from those saved (CRC-32)"
+    return None
 
 
 def publish(staging, final) -> None:

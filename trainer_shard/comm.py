@@ -14,6 +14,10 @@ in (see [Note: fault watch]); without it, nothing is tracked. This module knows 
 """
 
 import contextlib
+import itertools
+import os
+import pickle
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -169,3 +173,24 @@ def barrier(group=None) -> None:
     if is_distributed(group):
         with _waiting("barrier"):
             dist.barrier(group=group)
+
+
+_shared = itertools.count()
+
+
+def share_from_rank_zero(value, timeout: float):
+    """Rank 0's picklable `value` on every rank, the others waiting for it up to `timeout` seconds
+    rather than the process group's timeout: for what rank 0 takes long to compute (the planner's
+    memory probe) while the others wait. Passed through the rendezvous store, not the group's
+    backend. Every rank of the default group calls it, in the same order."""
+    if not is_distributed():
+        return value
+    store = dist.distributed_c10d._get_default_store()
+    # a restarted job (torchrun --max_restarts) finds the store as the last attempt left it
+    key = f"trainer_shard/shared/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_shared)}"
+    if dist.get_rank() == 0:
+        store.set(key, pickle.dumps(value))
+        return value
+    with _waiting("waiting for rank 0's result"):
+        store.wait([key], timedelta(seconds=timeout))
+    return pickle.loads(store.get(key))

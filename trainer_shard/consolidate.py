@@ -50,14 +50,16 @@ class _ModelFiles:
     """The checkpoint's own model weights: one safetensors file or an index of several."""
 
     def __init__(self, folder: Path):
+        self.folder, self.files = folder, {}
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            self.weight_map = json.loads(index.read_text())["weight_map"]
         elif (folder / "model.safetensors").is_file():
-            weight_map = {name: "model.safetensors" for name in SafetensorsFile(folder / "model.safetensors").keys()}
+            # kept open in self.files for the reads to come, closed by close() with the others
+            single = self.files["model.safetensors"] = SafetensorsFile(folder / "model.safetensors")
+            self.weight_map = dict.fromkeys(single.keys(), "model.safetensors")
         else:
             raise CheckpointError(f"{str(folder)!r} has no model.safetensors (or index): not a checkpoint of this trainer")
-        self.folder, self.weight_map, self.files = folder, weight_map, {}
 
     def file(self, name: str) -> SafetensorsFile:
         filename = self.weight_map[name]
@@ -68,6 +70,7 @@ class _ModelFiles:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+        self.files = {}
 
 
 def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", optimizer: bool = False) -> Path:
@@ -84,10 +87,10 @@ def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", o
         raise CheckpointError("OUT must be another folder than CHECKPOINT")
     index = state_io.read_index(shards)
     state_io.verify_files(shards, index)
-    sources = state_io.ShardSources(shards, index)
-    model = _ModelFiles(checkpoint)
     target = DTYPES[dtype]
+    model, sources = _ModelFiles(checkpoint), None
     try:
+        sources = state_io.ShardSources(shards, index)
         unmatched = sorted(set(sources.where) - set(model.weight_map))
         if unmatched:  # their masters would be left out: refuse rather than write lower-precision copies
             raise CheckpointError(f"the optimizer shards hold parameters the model file does not name: {unmatched[:5]}")
@@ -98,7 +101,8 @@ def consolidate(checkpoint, out, dtype: str = "float32", max_shard_size="5GB", o
         if optimizer:
             _write_optimizer(sources, index, out)
     finally:
-        sources.close()
+        if sources is not None:
+            sources.close()
         model.close()
     return out
 

@@ -9,6 +9,12 @@ that lost power, NCCL). `FaultWatch` bounds that wait and names the rank at faul
   and publishes what its rank is doing (`where`: the step, the phase, the collective it waits in);
 - a rank that raises posts its error before it exits (`post_failure`), and a rank that stops
   because of a peer says so too, so that a peer stuck outside the collectives learns it;
+- a watch that learns of a failure says it has (`seen/<rank>`); the rank that hosts the store
+  (rank 0, launched by hand), having posted a failure, waits before it leaves until every peer
+  has seen it, posted its own failure, left `train()` or lost its process, for at most
+  `min(grace, 2 * interval + 1)` seconds (`_wait_for_peers`): the store ends with its host's
+  process group, so a peer that reads the store only once the host has gone (one asleep outside
+  the collectives) would learn only that the store is gone, not why;
 - a peer is dead when its process is gone (same machine) or its beat has stopped for `timeout`;
 - once the watch knows a peer failed, the main thread has `grace` seconds to leave through its
   own error (gloo reports a closed connection at once); after that a second thread, the reaper,
@@ -16,7 +22,8 @@ that lost power, NCCL). `FaultWatch` bounds that wait and names the rank at faul
   blocked collective. The reaper never calls the store: a client of a store whose host died can
   block for good (it also ends the process when the watch thread has been stuck that long).
 
-So every rank exits within `timeout` + `grace` seconds of a peer's failure, naming it; the
+So every rank exits within `timeout` + `grace` seconds of a peer's failure (the store's host,
+having posted one, at most `min(grace, 2 * interval + 1)` more), naming it; the
 Trainer uses `--ddp_timeout` as `timeout` (and as the process group's own timeout). The store
 is the one torchrun's agent hosts (or rank 0's, launched otherwise: when it goes, rank 0 is gone).
 
@@ -27,6 +34,12 @@ number, on a CPU group), so they stop after the same step, write a checkpoint if
 the signal's number. A second signal at least `FORCE_AFTER` seconds after the first stops the
 process at once (torchrun passes on the terminal's Ctrl-C a moment after the process got it
 itself: that one does not count).
+
+[Note: hard exits] This module ends the process with `os._exit` (the reaper, a forced stop),
+which runs no finalizer and no atexit hook: every such exit goes through `_hard_exit`, which
+deletes the process's disk stores first (`offload.store.close_all`; see [Note: disk store
+lifetime] in offload/store.py), or a run killed by a peer's failure would leave its master
+weights and optimizer state on disk (34 GB for t5-3b).
 """
 
 import contextlib
@@ -42,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .offload import store as disk_stores
 
 EXIT_PEER_FAILED = 3  # a rank stopped because another one failed (2: a user's mistake)
 FORCE_AFTER = 2.0  # seconds between two signals for the second to stop the process at once
@@ -146,6 +160,8 @@ class FaultWatch:
         FaultWatch._sessions += 1
         self.store = dist.PrefixStore(f"{_PREFIX}/{restart}/{FaultWatch._sessions}/", inner)
         self.failure = None  # (rank, reason) once a peer is known to have failed
+        self._posted = False  # this rank posted a failure (the store's host then waits for the peers)
+        self._hosts_store = self.store_host == "rank 0" and self.rank == 0
         self.last_checkpoint = None  # the Trainer keeps it current, for the messages
         self._seen, self._stop = {}, threading.Event()
         self.store.set(f"proc/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
@@ -165,15 +181,18 @@ class FaultWatch:
         return watch
 
     def stop(self) -> None:
-        """Stop the thread, and tell the peers this rank left `train()` (not a failure: a failure
-        was posted first)."""
+        """Stop the thread, tell the peers this rank left `train()` (not a failure: a failure was
+        posted first), and let go of this watch's store client: its connection closes now, not
+        whenever the last reference to the watch goes (the signal guard keeps one after train())."""
         self._stop.set()
         self._thread.join(timeout=2 * self.interval + 1)
         self._reaper.join(timeout=2 * self.interval + 1)
+        self._wait_for_peers()
         try:
             self.store.set(f"done/{self.rank}", "1")
         except Exception:  # noqa: BLE001
             pass
+        self.store = None  # a late call (post_failure) fails, and is caught, as on a store that failed
 
     # -- posting ------------------------------------------------------------------------------
 
@@ -185,8 +204,40 @@ class FaultWatch:
         try:
             seq = self.store.add("failures", 1)
             self.store.set(f"fail/{self.rank}", f"{seq}|{'' if because_of is None else because_of}|{text}")
+            self._posted = True
         except Exception:  # noqa: BLE001 - the store may be what failed
             pass
+
+    def _linger(self) -> float:
+        """How long the store's host waits for its peers to read its failure (see `_wait_for_peers`):
+        a live peer's watch reads the store every `interval`; two rounds leave one missed under load."""
+        return min(self.grace, 2 * self.interval + 1.0)
+
+    def _wait_for_peers(self) -> None:
+        """The store's host, once it posted a failure: wait until every peer has seen it (its watch
+        said so), posted a failure of its own, left train(), or lost its process (same machine),
+        for at most `_linger()` seconds; the store goes when this process does, and a peer
+        asleep outside the collectives would otherwise read only that it is gone. Never raises."""
+        if not (self._hosts_store and self._posted):
+            return
+        deadline = time.monotonic() + self._linger()
+        waiting = [r for r in range(self.world) if r != self.rank]
+        try:
+            while waiting and time.monotonic() < deadline:
+                waiting = [r for r in waiting if not self._peer_settled(r)]
+                if waiting:
+                    time.sleep(min(0.05, self.interval / 4))
+        except Exception:  # noqa: BLE001 - the store failed: nobody can read it any more
+            pass
+
+    def _peer_settled(self, r: int) -> bool:
+        """Whether peer `r` has read this rank's failure, or need not: see `_wait_for_peers`."""
+        if self.store.check([f"seen/{r}"]) or self.store.check([f"fail/{r}"]) or self.store.check([f"done/{r}"]):
+            return True
+        if self._peers.get(r) is None and self.store.check([f"proc/{r}"]):
+            self._peers[r] = self.store.get(f"proc/{r}").decode().split()
+        peer = self._peers.get(r)
+        return bool(peer) and peer[0] == socket.gethostname() and not _alive(int(peer[1]))
 
     # -- finding the rank at fault --------------------------------------------------------------
 
@@ -281,6 +332,10 @@ class FaultWatch:
                 self.failure = self.culprit() or self._stuck()
                 if self.failure is not None:
                     self._deadline = time.monotonic() + self.grace
+                    try:
+                        self.store.set(f"seen/{self.rank}", "1")  # the store's host may wait for it
+                    except Exception:  # noqa: BLE001 - culprit() names the store
+                        pass
             self._last_round = time.monotonic()
 
     def _reap(self) -> None:
@@ -318,14 +373,26 @@ class FaultWatch:
 
     def exit_now(self) -> None:
         """End this process with the failure's message (its main thread is blocked). The others
-        are told too, for at most a second: the store may be what failed."""
+        are told too, for at most a second (the store may be what failed), and the store's host
+        waits for them to read it, at most `_linger()` seconds more (`_wait_for_peers`)."""
         rank, reason = self.failure
         print(f"trainer_shard: error: {self.message()}", file=sys.stderr, flush=True)
-        post = threading.Thread(target=self.post_failure, args=(reason,),
-                                kwargs={"because_of": rank if rank is not None else self.rank}, daemon=True)  # fmt: skip
+
+        def post_and_wait():
+            self.post_failure(reason, because_of=rank if rank is not None else self.rank)
+            self._wait_for_peers()
+
+        post = threading.Thread(target=post_and_wait, daemon=True)
         post.start()
-        post.join(timeout=1.0)
-        os._exit(EXIT_PEER_FAILED)
+        post.join(timeout=1.0 + (self._linger() if self._hosts_store else 0.0))
+        _hard_exit(EXIT_PEER_FAILED)
+
+
+def _hard_exit(code: int) -> None:
+    """End the process now, whatever its other threads are doing; its disk stores are deleted
+    first. See [Note: hard exits]."""
+    disk_stores.close_all()
+    os._exit(code)
 
 
 def _several_ranks() -> bool:
@@ -396,12 +463,15 @@ class InterruptGuard:
             self.restore()
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            os._exit(128 + signum)
+            _hard_exit(128 + signum)
 
     def restore(self) -> None:
+        """The previous handlers back; where SIGTERM's is the default (death), a disk store opened
+        during train() gets deleted first when it comes (see [Note: disk store lifetime])."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        disk_stores.watch_sigterm()
 
 
 class StopAgreement:
@@ -409,9 +479,7 @@ class StopAgreement:
     after the same step. On a CPU (gloo) group: no device sync. Collective."""
 
     def __init__(self):
-        self.group = None
-        if _several_ranks():
-            self.group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.group = cpu_group() if _several_ranks() else None
         self._flag = torch.zeros(1, dtype=torch.int32)
 
     def agree(self, signum: int | None) -> int:
@@ -420,3 +488,20 @@ class StopAgreement:
             with inside("all_reduce(stop flag)"):
                 dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
         return int(self._flag.item())
+
+
+_GLOO_TWIN = None  # (the default group, a gloo group over the same ranks), made once
+
+
+def cpu_group():
+    """A gloo group over every rank: the default group when it is gloo, else one made on the first
+    call and reused until the default group is replaced (a group lives, with its connections,
+    until the process group is destroyed: one per train() call would pile up). Collective on the
+    call that makes it: every rank calls this at the same point."""
+    global _GLOO_TWIN
+    world = dist.group.WORLD
+    if dist.get_backend() == "gloo":
+        return world
+    if _GLOO_TWIN is None or _GLOO_TWIN[0] is not world:
+        _GLOO_TWIN = (world, dist.new_group(backend="gloo"))
+    return _GLOO_TWIN[1]

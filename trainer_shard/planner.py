@@ -43,6 +43,7 @@ NAMED = {  # T5 architectures, built on the meta device: no download, no weights
     "t5-11b": dict(d_model=1024, d_ff=65536, num_layers=24, num_heads=128, d_kv=128),
 }
 STATE_TENSORS = 2  # AdamW's exp_avg and exp_avg_sq
+PROBE_TIMEOUT_S = 1800  # the longest one memory probe may take (a subprocess); up to two a run
 DISK_BUFFERS = 4 * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers (buffer_count 4)
 
 
@@ -194,7 +195,7 @@ def measure_probe(model: str, precision: str, source_length: int, target_length:
     fp32, bf16 / fp16 (16-bit parameters), autocast-bf16 / autocast-fp16 (fp32 weights)."""
     cmd = [sys.executable, "-m", "trainer_shard.planner", "--_probe", model, precision, str(source_length),
            str(target_length), device]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     if proc.returncode:
         raise RuntimeError(f"the memory probe failed:\n{proc.stderr[-2000:]}")
     return Probe(**json.loads(proc.stdout.strip().splitlines()[-1]))

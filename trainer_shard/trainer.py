@@ -44,16 +44,14 @@ from .config.load import parse_size
 from .disk import describe_write_error
 from .errors import ArgumentError, CheckpointError
 from .sharding import ShardedGradScaler
-from .training import build, checkpoints, plan
+from .training import build, checkpoints, loss, plan
 from .training.evaluation import gather_for_metrics
 from .training.guard import check_distributed_setup
-from .training.loss import model_normalizes_by_num_items
 from .training.supervision import Supervisor, save_on_interrupt
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedSeq2SeqTrainer", "ShardedTrainer", "ShardedTrainerMixin", "check_distributed_setup",
-           "model_normalizes_by_num_items"]  # fmt: skip
+__all__ = ["ShardedSeq2SeqTrainer", "ShardedTrainer", "ShardedTrainerMixin", "check_distributed_setup"]
 
 
 class ShardedTrainerMixin:
@@ -66,9 +64,13 @@ class ShardedTrainerMixin:
         faults.apply_timeout(self.args.ddp_timeout)
         self._plan_sharding()
         model = self.accelerator.unwrap_model(self.model)
-        if self.model_accepts_loss_kwargs and not model_normalizes_by_num_items(model):
-            logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", type(model).__name__)
-            self.model_accepts_loss_kwargs = False
+        declared = loss.declared_normalization(model)
+        if declared is not None:
+            self.model_accepts_loss_kwargs = declared
+        # a **kwargs model that says nothing is watched on its first training step (compute_loss)
+        self._loss_kwargs_known = declared is not None or not self.model_accepts_loss_kwargs or (
+            self.compute_loss_func is not None or not loss.LossKwargsObserver(model).can_observe
+        )
         if self.sharding_stage is not None and self.optimizer is not None:
             self._adopt_sharded_optimizer(self.optimizer)  # the user's own, via optimizers=(...)
         if getattr(model, "hf_device_map", None):
@@ -78,6 +80,31 @@ class ShardedTrainerMixin:
         self._supervisor = Supervisor()
         self._staged = self._last_checkpoint = None
         self.callback_handler.callbacks.insert(0, self._supervisor.callback(self.args))  # first: it says where the step begins
+
+    # ---- loss normalization: training/loss.py -----------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, **kwargs):
+        if self._loss_kwargs_known or num_items_in_batch is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch, **kwargs)
+        # The first training step of a model that takes **kwargs and declares nothing: it is given
+        # the count as the Trainer would give it, with the Trainer's rescaling held back until
+        # the model shows whether it divides by the count.
+        observer = loss.LossKwargsObserver(self.accelerator.unwrap_model(model))
+        self.model_accepts_loss_kwargs = False
+        with observer:
+            result = super().compute_loss(model, {**inputs, "num_items_in_batch": num_items_in_batch}, return_outputs,
+                                          num_items_in_batch, **kwargs)  # fmt: skip
+        self._loss_kwargs_known = True
+        name = type(self.accelerator.unwrap_model(model)).__name__
+        if not observer.normalized:
+            logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", name)
+            return result
+        self.model_accepts_loss_kwargs = True
+        if self.args.average_tokens_across_devices:  # as Trainer.compute_loss scales a normalized loss
+            scale = self.accelerator.num_processes // self.get_tp_size() if self.args.n_gpu <= 1 else self.args.n_gpu
+            result = (result[0] * scale, result[1]) if return_outputs else result * scale
+        logger.info("%s divides its loss by the token count: the Trainer's normalization applies", name)
+        return result
 
     # ---- faults: training/supervision.py --------------------------------------------------------
 
@@ -97,6 +124,8 @@ class ShardedTrainerMixin:
         saves = self.args.save_strategy != "no" or save_on_interrupt(self.args)
         purpose = " for a checkpoint of this run" if saves else " for the trained model"
         check_writable(self.args.output_dir, self._checkpoint_bytes(with_optimizer=saves), "--output_dir", purpose)
+        if saves:
+            checkpoints.check_output_dirs(self.args)  # several nodes: --save_on_each_node as their disks need
         if self.args.should_save:
             checkpoints.clear_staging(self.args.output_dir)
 
@@ -228,7 +257,7 @@ class ShardedTrainerMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""
-        checkpoints.check_manifest(resume_from_checkpoint, self.args.process_index, self.args.world_size)
+        checkpoints.check_manifest(resume_from_checkpoint, self.args)
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save(self, output_dir=None, state_dict=None) -> None:

@@ -1,7 +1,8 @@
 """SIGINT (Ctrl-C) and SIGTERM (a scheduler's preemption) during training: every rank finishes
 the same step, writes a checkpoint under --save_on_interrupt, exits 128 + the signal, and the
 checkpoint resumes to the same weights as a run never interrupted (faults.py, [Note: interrupts]).
-The resume after a kill is tested in test_rank_faults.py and test_checkpoint_resume.py."""
+The resume after a kill is tested in test_rank_faults.py and test_checkpoint_resume.py; a second
+signal's immediate stop in test_second_signal.py."""
 
 import re
 import signal
@@ -45,8 +46,6 @@ def test_interrupt_saves_and_resumes_exactly(tiny_model, tiny_data, tmp_path, st
     assert said[0][1] == str(checkpoint) and manifest_problems(checkpoint) == []
     assert not (out / "model.safetensors").exists(), "the final model was saved as if the run had finished"
     print(f"SIG{signum}: every rank stopped after step {step} and saved; torchrun exited {took:.1f} s after the signal")
-    if signum == "INT":
-        return  # the same stop and save as SIGTERM's, whose checkpoint is resumed below (make test stays short)
     resumed = run_script([*flags(tiny_model, tiny_data, out), "--resume_from_checkpoint", "latest"], nproc=2)
     assert_ok(resumed)
     final = load_file(out / "model.safetensors")

@@ -185,7 +185,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 def _check_value(value, spec: Key, path: str, problems: list):
     if spec.kind == "object":  # "auto" included: an object's defaults stand in, never None
         return _check_object(value, spec.children, path, problems)
-    if value == AUTO and isinstance(value, str):
+    if value == AUTO and isinstance(value, str) and not spec.auto_is_a_value:
         if spec.auto:
             return AUTO
         problems.append((path, '"auto" is not allowed here; write a value'))

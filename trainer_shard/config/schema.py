@@ -24,6 +24,13 @@ class Key:
     children: dict = field(default_factory=dict)  # for objects
     length: int | None = None  # for floats (a fixed-length list of numbers)
 
+    @property
+    def auto_is_a_value(self) -> bool:
+        """Whether "auto" is one of this key's own values (a device-map strategy; "the checkpoint's
+        dtype"), checked as any other value, rather than the placeholder that `auto=True` keys take
+        from the TrainingArguments and other keys refuse."""
+        return self.kind == "device_map" or AUTO in self.choices
+
 
 OFFLOAD_OPTIMIZER = {
     "device": Key("choice", "where the fp32 master weights and optimizer state live", "none",

@@ -29,6 +29,7 @@ One step of a flat group's shard, chunk by chunk:
   stream, so host-device copies overlap the CPU step (see `_DeviceLink`).
 """
 
+import inspect
 import logging
 import math
 import weakref
@@ -73,12 +74,22 @@ _FUSED_ON_CPU = ("Adam", "AdamW")
 
 
 def per_element_state(optim_class, defaults: dict) -> list:
-    """The names of the state entries `optim_class` keeps one value per element of (probed)."""
+    """The names of the state entries `optim_class` keeps one value per element of (probed).
+    `defaults` may be a built optimizer's (`ShardedOptimizer.defaults`): what its constructor
+    does not take ("decoupled_weight_decay" of AdamW) is left out."""
     probe = torch.zeros(2, requires_grad=True)
-    optim = optim_class([probe], **_cpu_defaults(optim_class, defaults))
+    optim = optim_class([probe], **_accepted(optim_class, _cpu_defaults(optim_class, defaults)))
     probe.grad = torch.zeros(2)
     optim.step()
     return sorted(k for k, v in optim.state[probe].items() if k != "step" and torch.is_tensor(v) and v.shape == probe.shape)
+
+
+def _accepted(optim_class, kwargs: dict) -> dict:
+    """The entries of `kwargs` that `optim_class`'s constructor takes (all, if it takes **kwargs)."""
+    parameters = inspect.signature(optim_class.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in parameters}
 
 
 def _fused_kernel(optim_class, hyper: dict):

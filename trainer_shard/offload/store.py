@@ -12,17 +12,43 @@ chunk by chunk and decides what moves where.
   RSS), so the RAM the store costs is the chunk buffers in flight, not the model.
 
 Failures are errors that name the path and the bytes needed (`OffloadStoreError`), raised before
-anything is written: an unwritable folder, or a disk without room for the files.
+anything is written: an unwritable folder, a disk without room for the files, or a folder that
+another run's store is using.
+
+[Note: disk store lifetime] A rank's folder belongs to one store at a time, and nothing of it
+outlives the process that made it except after SIGKILL:
+
+- Open: the store takes an exclusive `flock` on `<folder>/rank<R>/.lock` (which says who holds it:
+  pid and host) before it creates a file, and holds it until it is deleted. A second store there,
+  another run's or this process's, is refused naming the holder; a lock file that is not locked
+  is what a store killed with SIGKILL left behind: its files are deleted, and the log says so.
+- Delete: `close()`; the store's finalizer when it is garbage collected and, through `weakref`,
+  at interpreter exit (a normal end, or an exception that ends the process); `close_all()` just
+  before `os._exit`, which skips both (faults.py calls it: a peer's failure, a forced stop); and
+  SIGTERM arriving while its default action (death) is in place: the handler installed while a
+  store is open deletes them all, then dies of the signal as before. SIGTERM/SIGINT during
+  `train()` are faults.py's: they end the process through one of the paths above.
+- A file that cannot be deleted is reported (a warning naming it, its size and the error).
 """
 
+import errno
+import fcntl
+import gc
+import logging
 import os
-import shutil
+import signal
+import socket
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import torch
 
-from ..disk import existing_parent, free_bytes, is_writable
+from ..disk import existing_parent, format_bytes, free_bytes, is_writable
 from ..errors import TrainerShardError
+
+logger = logging.getLogger(__name__)
 
 
 class OffloadStoreError(TrainerShardError):
@@ -59,16 +85,28 @@ class CpuStore:
 
 
 class DiskStore:
-    """Files under `folder/rank<rank>/`; see the module docstring."""
+    """Files under `folder/rank<rank>/`, locked for this store's lifetime; see the module docstring
+    and [Note: disk store lifetime]."""
 
     def __init__(self, sizes: dict, folder, *, rank: int = 0):
         self.folder = Path(folder) / f"rank{rank}"
-        made_parent = not self.folder.parent.exists()
         self.sizes = {}
-        self._fds = {}
-        self.add(sizes)
+        made_parent, made = not self.folder.parent.exists(), not self.folder.exists()
+        # the room a store killed there left counts: it is deleted below, once the lock is ours
+        _check_writable(self.folder, bytes_needed(sizes) - _leftover_bytes(self.folder))
         if made_parent:  # nvme_path is ours to remove when the last rank's folder is gone
             (self.folder.parent / _MADE_HERE).touch()
+        try:
+            lock_fd, previous = _lock(self.folder)
+        except OffloadStoreError:
+            if made:
+                _remove_folders(self.folder)
+            raise
+        self._held = _Held(self.folder, lock_fd)
+        self._fds = self._held.fds  # one dict: what `add` opens, `close` closes
+        self._finalizer = weakref.finalize(self, self._held.release)
+        _remove_leftover(self.folder, previous)
+        self.add(sizes)
 
     def add(self, sizes: dict) -> None:
         """Create (and reserve on disk) the files of more tensors."""
@@ -77,7 +115,7 @@ class DiskStore:
         self.sizes.update(sizes)
         try:
             for name, numel in sizes.items():
-                fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 self._fds[name] = fd
                 if numel:
                     os.posix_fallocate(fd, 0, 4 * numel)  # reserve the space now: no ENOSPC mid-run
@@ -119,33 +157,291 @@ class DiskStore:
         )
 
     def close(self) -> None:
-        """Close and delete this rank's files (and nvme_path itself if this store made it and it is empty)."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-        if self.folder.is_dir():
-            shutil.rmtree(self.folder, ignore_errors=True)
-        parent = self.folder.parent
-        # Ranks close in any order: whichever finds no rank folder left removes the folder a rank
-        # created (marked); a folder the user made stays.
+        """Delete this rank's files, lock file and folder (and nvme_path itself if a store made it
+        and no rank's folder is left), then release the lock. Idempotent; also runs when the store
+        is garbage collected and at exit. A file it cannot delete is reported (a warning)."""
+        self._finalizer()
+
+
+# ---- what a store holds, and every store of this process ---------------------------------------
+
+
+class _Held:
+    """What an open `DiskStore` holds (its folder, the descriptor of its locked lock file, its
+    files' descriptors), apart from the store so that its finalizer and `close_all` can delete
+    them without keeping the store alive. Registered in `_OPEN` until deleted."""
+
+    def __init__(self, folder: Path, lock_fd: int):
+        self.folder, self.lock_fd, self.fds = folder, lock_fd, {}
+        self.pid = os.getpid()
+        self.deleted = self.closed = False
+        _OPEN.add(self)
+        watch_sigterm()
+
+    def release(self, *, hard: bool = False) -> None:
+        """Delete the files, the lock file and the folder, then close the descriptors (releasing
+        the lock). `hard`: the process ends next and other threads may still read or write, so
+        the descriptors are left for the exit to close. A forked child only closes its copies:
+        the files are its parent's."""
+        if not self.deleted:
+            self.deleted = True
+            _OPEN.discard(self)
+            if self.pid == os.getpid():
+                for name in list(self.fds):
+                    _unlink(self.folder / f"{name}.f32")
+                _unlink_lock(self.folder, self.lock_fd)
+                _remove_folders(self.folder)
+            if not _OPEN:
+                _unwatch_sigterm()
+        if not hard and not self.closed:
+            self.closed = True
+            for fd in [*self.fds.values(), self.lock_fd]:
+                _close_fd(fd)
+            self.fds.clear()
+
+
+_OPEN = set()  # the `_Held` of every disk store open in this process
+
+
+def close_all() -> None:
+    """Delete every disk store this process has open, in the last moment before `os._exit` (which
+    runs no finalizer and no atexit hook; faults.py calls this before each of its hard exits).
+    Other threads may still be reading or writing: the files are unlinked, and their descriptors
+    left for the exit to close. Never raises. See [Note: disk store lifetime]."""
+    for held in list(_OPEN):
         try:
-            if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
-                (parent / _MADE_HERE).unlink(missing_ok=True)
-                parent.rmdir()
-        except OSError:
-            pass  # another rank got there first (even between the two checks), or a file appeared
+            held.release(hard=True)
+        except Exception as e:  # noqa: BLE001 - on the way out: say it, go on with the others
+            logger.warning("could not delete the disk store in %s: %s", held.folder, e)
+
+
+def watch_sigterm() -> None:
+    """While a store is open, SIGTERM whose action is the default one (death) deletes the stores
+    first (`_die_of_sigterm`); a handler someone installed is left alone (faults.InterruptGuard
+    during train() ends the process through `close_all` or an ordinary exit, and calls this when
+    it puts the default back). Main thread only, as `signal.signal`."""
+    main = threading.current_thread() is threading.main_thread()
+    if _OPEN and main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _die_of_sigterm)
+
+
+def _unwatch_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _die_of_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _die_of_sigterm(signum, frame) -> None:
+    """Delete the stores, then die of the signal as its default action would have."""
+    close_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # not reached: the signal is delivered before kill() returns
+
+
+# ---- the lock of a rank's folder ---------------------------------------------------------------
+
+_LOCK = ".lock"
+
+
+def _lock(folder: Path) -> tuple:
+    """(descriptor, previous holder) of an exclusive lock on `folder`'s lock file, which then names
+    this process; the previous holder is the (pid, host) a store killed there left, else None.
+    Raises `OffloadStoreError` naming the holder when another store has it."""
+    path = folder / _LOCK
+    for attempt in range(100):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:  # a store closing there removed the folder (and nvme_path if a store made it)
+            _remake(folder)
+            continue
+        except OSError as e:
+            raise OffloadStoreError(
+                f"cannot create the lock file {str(path)!r} of the disk store: {e.strerror or e}; set "
+                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd, wait=1.0)
+            _close_fd(fd)
+            if holder == _me() and attempt == 0:
+                gc.collect()  # a store of this process that nothing references any more: its finalizer frees it
+                continue
+            raise _in_use(folder, holder) from None
+        except OSError as e:
+            _close_fd(fd)
+            raise OffloadStoreError(f"cannot lock {str(path)!r}: {e.strerror or e}; the disk store needs a filesystem "
+                                    "with file locks (flock): point nvme_path to a local disk") from None  # fmt: skip
+        if _same_file(fd, path):
+            previous = _holder(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, " ".join(_me()).encode() + b"\n", 0)
+            return fd, previous
+        _close_fd(fd)  # its holder deleted it between our open and our lock: lock the one there now
+    raise OffloadStoreError(f"could not lock {str(path)!r}: other processes kept replacing it; try again")
+
+
+def _remake(folder: Path) -> None:
+    made_parent = not folder.parent.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if made_parent:
+            (folder.parent / _MADE_HERE).touch()
+    except OSError as e:
+        raise OffloadStoreError(
+            f"cannot create the disk store folder {str(folder)!r}: {e.strerror or e}; set "
+            "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+        ) from None
+
+
+def _me() -> tuple:
+    return str(os.getpid()), socket.gethostname()
+
+
+def _holder(fd: int, wait: float = 0.0) -> tuple | None:
+    """(pid, host) the lock file names; waits up to `wait` s for a holder that has just locked it
+    to write itself in."""
+    deadline = time.monotonic() + wait
+    while True:
+        words = os.pread(fd, 512, 0).decode(errors="replace").split()
+        if len(words) >= 2 or time.monotonic() >= deadline:
+            return (words[0], words[1]) if len(words) >= 2 else None
+        time.sleep(0.05)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _in_use(folder: Path, holder: tuple | None) -> OffloadStoreError:
+    if holder == _me():
+        return OffloadStoreError(
+            f"the disk store folder {str(folder)!r} is in use by another store of this process (pid {holder[0]}): "
+            "close the optimizer that holds it (ShardedOptimizer.close()) before making another one there, or give "
+            "this one another nvme_path"
+        )
+    who = f"process {holder[0]} on host {holder[1]}" if holder else "another process"
+    return OffloadStoreError(
+        f"the disk store folder {str(folder)!r} is in use by another run: {who} holds its lock. Two runs on one "
+        "store would overwrite each other's master weights and optimizer state: give this run another nvme_path "
+        "(zero_optimization.offload_optimizer.nvme_path in the --offload config), or wait for that run to end (or "
+        "stop it) and start again"
+    )
+
+
+def _check_not_in_use(folder: Path) -> None:
+    """Raise `OffloadStoreError` if another process's store holds `folder` (a check at start: it
+    takes no lock and deletes nothing; a store of this process is its own business)."""
+    try:
+        fd = os.open(folder / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: no store there
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd, wait=1.0)
+        if holder != _me():
+            raise _in_use(folder, holder) from None
+    except OSError:
+        pass  # no file locks here: the store says so when it opens
+    finally:
+        _close_fd(fd)
+
+
+# ---- deleting ----------------------------------------------------------------------------------
+
+
+def _leftover_bytes(folder: Path) -> int:
+    return sum(_size(f) for f in folder.glob("*.f32")) if folder.is_dir() else 0
+
+
+def _remove_leftover(folder: Path, previous: tuple | None) -> None:
+    """Delete the files a store killed with SIGKILL left in `folder` (its lock was free: no process
+    uses them), and say so."""
+    files = sorted(folder.glob("*.f32"))
+    if not files:
+        return
+    freed = sum(_unlink(f) for f in files)
+    by = f" by process {previous[0]} on host {previous[1]}" if previous else ""
+    logger.warning("removed a leftover disk store in %s: %s freed (%d files left%s, which ended without "
+                   "deleting them: killed with SIGKILL, or its machine went down)",
+                   folder, format_bytes(freed), len(files), by)  # fmt: skip
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _unlink(path: Path) -> int:
+    """Delete `path`: the bytes freed (0 when there was nothing to delete, or it could not be:
+    that is reported)."""
+    size = _size(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        logger.warning("could not delete the disk store file %s (%s): %s; delete it by hand", path,
+                       format_bytes(size), e.strerror or e)  # fmt: skip
+        return 0
+    return size
+
+
+def _unlink_lock(folder: Path, fd: int) -> None:
+    """Delete the lock file while it is still locked (a store taking over after the lock is released
+    makes a new one); only the one `fd` locks: another store's is never touched."""
+    if _same_file(fd, folder / _LOCK):
+        _unlink(folder / _LOCK)
+
+
+def _remove_folders(folder: Path) -> None:
+    """Remove a rank's folder once empty, and nvme_path too when a store made it (marked) and no
+    rank's folder is left. A folder that is not empty stays (a file of the user's, or the lock of
+    a store that just took over); one that cannot be removed is reported."""
+    try:
+        folder.rmdir()
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+            logger.warning("could not delete the disk store folder %s: %s; delete it by hand", folder, e.strerror or e)
+    parent = folder.parent
+    # Ranks close in any order: whichever finds no rank folder left removes the folder a rank
+    # created (marked); a folder the user made stays.
+    try:
+        if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
+            (parent / _MADE_HERE).unlink(missing_ok=True)
+            parent.rmdir()
+    except OSError:
+        pass  # another rank got there first (even between the two checks), or a file appeared
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 _MADE_HERE = ".made-by-trainer_shard"
-
 
 def bytes_needed(sizes: dict) -> int:
     return 4 * sum(sizes.values())
 
 
-def check_disk_store(folder, rank: int, needed: int) -> None:
-    """The checks `DiskStore` makes before it writes anything, for a run to make at start."""
-    _check_writable(Path(folder) / f"rank{rank}", needed, create=False)
+def check_disk_store(folder, rank: int, needed: int, *, in_use: bool = False) -> None:
+    """The checks `DiskStore` makes before it writes anything, for a run to make at start: writable,
+    with room (counting what a killed store left) and, with `in_use`, not held by another process's
+    store (for this process's own rank only: a peer's store of the same run may be open already)."""
+    folder = Path(folder) / f"rank{rank}"
+    if in_use:
+        _check_not_in_use(folder)
+    _check_writable(folder, needed - _leftover_bytes(folder), create=False)
 
 
 def _check_writable(folder: Path, needed: int, create: bool = True) -> None:

@@ -65,8 +65,9 @@ class FlatGroup:
         self.grad = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=first.device)
         # [Note: stale gradients] Buckets whose gradient slice still holds the last step's values,
         # which count as zero: the next reduction overwrites them instead of adding, so clearing
-        # the gradients after a step costs no pass over the shard.
-        self.stale = set()
+        # the gradients after a step costs no pass over the shard. All of them, to begin with.
+        self.stale = {bucket.index for bucket in layout.buckets}
+        self.accumulated = False  # a backward has added into gradients another had written
         if offloaded:
             self.master = None
             self.master_views = []
@@ -154,7 +155,7 @@ class FlatGroup:
         self.stale = {bucket.index for bucket in self.layout.buckets}
 
     @torch.no_grad()
-    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float) -> None:
+    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
         """The bucket's gradient slice += alpha * values (= alpha * values when it is stale)."""
         target = self.shard_of(self.grad, bucket)
         if bucket.index in self.stale:
@@ -164,6 +165,8 @@ class FlatGroup:
             self.stale.discard(bucket.index)
         else:
             target.add_(values, alpha=alpha)
+            # a second backward before the step, summed in the shard's own (16-bit?) precision
+            self.accumulated = True
 
     @torch.no_grad()
     def zero_stale(self) -> None:

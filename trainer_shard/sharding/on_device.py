@@ -79,18 +79,38 @@ class OnDevice:
         return {k: v for k, v in self.optim.state.get(view, {}).items() if not per_element(k, v, view)}
 
     def set_scalar_state(self, index: int, scalars: dict) -> None:
+        """Each bucket's state gets its own copy of `scalars`, placed as torch places a loaded state."""
+        group = self.optim.param_groups[index]
         for view in self.flats[index].master_views:
-            self.optim.state[view].update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+            self.optim.state[view].update({k: _placed(k, v, view, group) for k, v in scalars.items()})
 
     def clear_state(self, index: int) -> None:
         for view in self.flats[index].master_views:
             self.optim.state.pop(view, None)
 
     def state_bytes(self) -> dict:
+        if self.optim is None:
+            return {"master": 0, "optimizer_state": 0}
         state = sum(v.numel() * v.element_size() for s in self.optim.state.values() for v in s.values()
                     if torch.is_tensor(v))  # fmt: skip
         master = sum(f.master.numel() * f.master.element_size() for f in self.flats if f.master is not None)
         return {"master": master, "optimizer_state": state}
 
     def close(self) -> None:
-        pass
+        """Drop the inner optimizer and its state (the masters go with it)."""
+        self.optim = None
+        self.flats = []
+
+
+def _placed(key: str, value, view: torch.Tensor, group: dict):
+    """A copy of a loaded scalar state entry where torch's `Optimizer.load_state_dict` puts it:
+    "step" on the parameters' device as fp32 for a fused or capturable optimizer (the fused
+    CUDA kernels read it there), else where it came from (a CPU counter, as torch keeps it);
+    other tensors on the parameters' device."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.detach().to(dtype=torch.float32, device=view.device, copy=True)
+        return value.detach().clone()
+    return value.detach().to(device=view.device, copy=True)

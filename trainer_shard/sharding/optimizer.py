@@ -18,14 +18,23 @@ Who holds the state is the stepper's business (`stepper.Stepper`: `OnDevice` or 
 this class does not branch on where things live.
 
 [Note: collective methods] The constructor, `add_param_group`, `step`, `clip_grad_norm`,
-`consolidate_state_dict` and `load_state_dict` are collectives: call them on every rank, in the
-same order, or the job hangs.
+`prepare_grads`, `consolidate_state_dict` and `load_state_dict` are collectives: call them on
+every rank, in the same order, or the job hangs.
+
+Where it follows torch's optimizers and `ZeroRedundancyOptimizer`, and where it differs:
+`param_groups` and `defaults` hold every hyperparameter of the inner optimizer, defaults filled
+in; `state_dict()` is the full, unsharded state after `consolidate_state_dict(to=...)` on that
+rank and raises elsewhere (`NotConsolidatedError`), except before the first step, when the
+state is empty and any rank can say so; `local_state_dict()` is this rank's shard alone.
+Parameters that start or stop requiring grad: see [Note: trainability] in frozen.py. A second
+optimizer on the same parameters: see [Note: one optimizer per parameter] in owners.py.
 """
 
 import contextlib
 import inspect
 import logging
 import math
+import weakref
 from collections import defaultdict
 
 import torch
@@ -36,19 +45,27 @@ from ..constants import BUCKET_NUMEL, CHUNK_NUMEL
 from ..errors import ShardingError
 from ..memory import release_freed_memory
 from ..offload.engine import OffloadEngine, per_element_state
+from . import owners
 from .flat import FlatGroup
+from .frozen import Held
 from .partition import plan_layout
 from .on_device import OnDevice, per_element
-from .reducer import GradReducer
+from .reducer import MAX_16BIT_RANKS, GradReducer
 from .repartition import TensorSource, fill_shard
 from .scaler import DynamicLossScaler
 from .stepper import Stepper
 
 logger = logging.getLogger(__name__)
 
-# Optimizers whose update of each element depends only on that element's own gradient and state,
-# so that stepping flat shards equals stepping whole tensors.
+# torch.optim's optimizers whose update of each element depends only on that element's own
+# gradient and state, so that stepping flat shards equals stepping whole tensors; a subclass of
+# one is too, as long as it keeps its `step`.
 ELEMENTWISE = {"SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD"}
+_ELEMENTWISE_CLASSES = tuple(getattr(torch.optim, name) for name in sorted(ELEMENTWISE))
+
+
+class NotConsolidatedError(ShardingError, RuntimeError):
+    """`state_dict()` where no full state was consolidated (a RuntimeError, as ZeroRedundancyOptimizer's)."""
 
 _NOT_ELEMENTWISE = {
     "Adafactor": "it factors the second moment over each weight matrix's rows and columns",
@@ -70,17 +87,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         offload: an `OffloadSpec`: master weights and optimizer state in CPU RAM or on disk.
         overlap_comm: ZeRO-2: reduce buckets while backward runs (False: all at its end).
         grad_dtype: the gradient shard's dtype: fp32 (default without offload), or, with offload,
-            the parameters' 16-bit dtype (the default there: half the memory).
+            the parameters' 16-bit dtype (the default there: half the memory; micro-batches are
+            then summed in 16 bits, which is logged once).
+        reduce_dtype: ZeRO-2: the dtype gradient buckets are summed over ranks in (default: the
+            parameters' up to `reducer.MAX_16BIT_RANKS` ranks, fp32 beyond; see [Note: 16-bit
+            reduction] in reducer.py).
         assume_elementwise: shard an optimizer not in `ELEMENTWISE` anyway, on your word.
         **defaults: the inner optimizer's arguments (lr, betas, weight_decay, fused...).
     """
 
     def __init__(self, params, optim=None, group=None, *, optimizer_class=None, stage: int = 1,
                  bucket_numel: int = BUCKET_NUMEL, loss_scaler=None, offload=None,
-                 assume_elementwise: bool = False, overlap_comm: bool = True, grad_dtype=None, **defaults):  # fmt: skip
+                 assume_elementwise: bool = False, overlap_comm: bool = True, grad_dtype=None, reduce_dtype=None,
+                 **defaults):  # fmt: skip
         self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
         if stage not in (1, 2):
             raise ShardingError(f"stage must be 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
+        if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ShardingError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float16, not {reduce_dtype}")
         self.stage = stage
         self.group = group
         self.rank, self.world_size = comm.rank_and_size(group)
@@ -88,22 +112,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = DynamicLossScaler() if loss_scaler is True else (loss_scaler or None)
         self.flats = []  # FlatGroups; `_flat_owner[i]` is the param group of flats[i]
         self._flat_owner = []
-        self.reducer = GradReducer(group, overlap=overlap_comm) if stage == 2 else None
+        self._flattened = set()  # the parameters in some flat; the others wait: [Note: trainability]
+        self.closed = False
+        self._closed_why = None
+        self.optim_kwargs = dict(defaults)  # what the inner optimizers are built with
+        self.reducer = GradReducer(group, overlap=overlap_comm, reduce_dtype=reduce_dtype) if stage == 2 else None
         self._building = True
-        super().__init__(params, defaults)  # calls add_param_group for each group
+        super().__init__(params, _full_defaults(self.optim_class, defaults))  # calls add_param_group for each group
         self._building = False
         self.offload = offload
         self.grad_dtype = grad_dtype
+        for previous in owners.claim(self, [p for g in self.param_groups for p in g["params"]]):
+            previous.close(why="a newer ShardedOptimizer took its parameters over")
+        if self.reducer is not None:  # hooks go with the optimizer, even one never closed
+            weakref.finalize(self, GradReducer.close, self.reducer)
         # where the masters and the state live, and who steps them: see stepper.py
         self.stepper: Stepper
         if offload is None:
-            self.stepper = OnDevice(self.optim_class, self.defaults)
+            self.stepper = OnDevice(self.optim_class, self.optim_kwargs)
         else:
-            self.stepper = OffloadEngine(offload, self.optim_class, self.defaults, rank=self.rank)
+            self.stepper = OffloadEngine(offload, self.optim_class, self.optim_kwargs, rank=self.rank)
         for index in range(len(self.param_groups)):
             self._build_flats(index)
-        if not self.flats:
-            raise ShardingError("no trainable parameter: every parameter has requires_grad=False")
         release_freed_memory()  # the parameters' old storage, freed into the heap by the move above
         self._grad_factors = []  # offload: 1/loss scale and clip coefficients, applied in the step
         self._fresh = True  # no step taken: the state is empty and the masters equal the parameters
@@ -111,6 +141,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.found_inf = False
         self.step_was_skipped = False
         self._consolidated = None
+        self._consolidated_to = None
+        self._logged_accumulation = False
+        self._log_reduction()
+
+    def _log_reduction(self) -> None:
+        """Say so when buckets are summed in 16 bits over more ranks than the default allows."""
+        if self.reducer is None or self.reducer.reduce_dtype in (None, torch.float32) or self.rank != 0:
+            return
+        if self.world_size > MAX_16BIT_RANKS and self.reducer.reduce_dtype in (torch.bfloat16, torch.float16):
+            logger.warning("reduce_dtype=%s over %d ranks trades accuracy for bandwidth: a ring sum rounds once per "
+                           "rank (at 64 ranks, bf16 is 4.0x as far from the exact mean as one rounding; "
+                           "bench/results/grad_reduction.md); the default reduces in fp32 beyond %d ranks",
+                           self.reducer.reduce_dtype, self.world_size, MAX_16BIT_RANKS)  # fmt: skip
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, **kwargs) -> "ShardedOptimizer":
@@ -124,15 +167,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ---- construction ----------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group; its parameters are flattened, checked across ranks and sharded. Collective."""
+        """Add a group; its trainable parameters are flattened, checked across ranks and sharded
+        (the others once they require grad: [Note: trainability]). Collective."""
+        self._check_open()
         super().add_param_group(param_group)
         if self._building:
             return  # the constructor flattens every group once the inner optimizer exists
+        params = self.param_groups[-1]["params"]
+        for previous in owners.claim(self, params):
+            previous.close(why="a newer ShardedOptimizer took its parameters over")
         self._build_flats(len(self.param_groups) - 1)
 
-    def _build_flats(self, index: int) -> None:
-        params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
+    def _build_flats(self, index: int, params=None) -> None:
+        """Flatten `params` (default: the trainable ones of group `index`), one FlatGroup per
+        dtype and device. Collective."""
+        if params is None:
+            params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
         _check_same_everywhere(index, params, self.group)
+        self._flattened.update(params)
         by_kind = defaultdict(list)
         for p in params:
             by_kind[(p.dtype, p.device)].append(p)
@@ -157,7 +209,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _hyperparameters(self, flat_index: int) -> dict:
         """The outer group's settings (lr as the scheduler left it, weight_decay...) for flats[i]."""
-        return {k: v for k, v in self.param_groups[self._flat_owner[flat_index]].items() if k != "params"}
+        group = self.param_groups[self._flat_owner[flat_index]]
+        return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+    def _adopt_newly_trainable(self) -> None:
+        """Flatten the parameters that require grad now but did not when their group was added,
+        and bring their gradients (in `.grad`, from before they had hooks) into the new shards.
+        Collective when any parameter waits: every rank must unfreeze the same ones. See
+        [Note: trainability] in frozen.py."""
+        waiting = [(i, [p for p in g["params"] if p not in self._flattened]) for i, g in enumerate(self.param_groups)]
+        waiting = [(i, params) for i, params in waiting if params]
+        if not waiting:
+            return
+        ready = [(i, [p for p in params if p.requires_grad]) for i, params in waiting]
+        ready = [(i, params) for i, params in ready if params]
+        count = sum(len(params) for _, params in ready)
+        counts = torch.tensor([count, -count], device=self._device())
+        most, fewest = comm.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=self.group).tolist()
+        if most != -fewest:
+            raise ShardingError(f"ranks unfroze different parameters ({-fewest} to {most} on different ranks, "
+                                f"{count} here); change requires_grad the same way on every rank")  # fmt: skip
+        before = len(self.flats)
+        for index, params in ready:
+            self._build_flats(index, params)
+        for flat in self.flats[before:]:
+            if self.reducer is not None:
+                self.reducer.reduce_from_grads(flat)
+        if ready:
+            logger.info("%d parameters that did not require grad when the optimizer was built do now: sharded and "
+                        "stepped from this step on", count)  # fmt: skip
 
     @property
     def optim(self):
@@ -173,6 +253,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The index of the param group `flats[flat_index]` belongs to."""
         return self._flat_owner[flat_index]
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ShardingError(f"this ShardedOptimizer is closed ({self._closed_why}): it holds no shards any more; "
+                                "step the optimizer that replaced it, or build a new one")  # fmt: skip
+
     # ---- gradients -------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -185,13 +270,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if self._grads_ready:
             return
+        self._check_open()
         if self.reducer is not None and self.reducer.pending:
             self.reducer.finish()
+        self._adopt_newly_trainable()
         for flat in self.flats:
             if self.stage == 1:
                 flat.copy_grads_to_shard()
             else:
                 flat.zero_stale()  # buckets no backward has reduced into since the last step
+        self._log_16_bit_accumulation()
         self.found_inf = False
         if self.loss_scaler is not None:
             bad = torch.zeros(1, device=self._device())
@@ -200,6 +288,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
+
+    def _log_16_bit_accumulation(self) -> None:
+        """Once: micro-batches were summed in a 16-bit gradient shard (grad_dtype)."""
+        flat = next((f for f in self.flats if f.accumulated and f.grad.dtype != torch.float32), None)
+        if flat is None or self._logged_accumulation:
+            return
+        self._logged_accumulation = True
+        if self.rank == 0:
+            logger.warning("gradient accumulation sums the micro-batches in the %s gradient shard (grad_dtype; with "
+                           "--offload, data_types.grad_accum_dtype, 16-bit by default there): half the memory of fp32, "
+                           "at a rounding per micro-batch (measured: the sum of 4 is 1.6x as far from the exact one "
+                           "as one rounding, of 64 4.5x; bench/results/grad_reduction.md); grad_dtype=torch.float32 "
+                           "(grad_accum_dtype fp32) sums them exactly", flat.grad.dtype)  # fmt: skip
 
     def _scale_grads(self, factor) -> None:
         """Multiply the gradient shards by `factor`: in place in fp32, or (offload) in the step,
@@ -214,7 +315,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return math.prod(float(factor) for factor in self._grad_factors)
 
     def _device(self):
-        return self.flats[0].grad.device
+        if self.flats:
+            return self.flats[0].grad.device
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def _state_device(self):
         """Where whole state shards are read to: the compute device, or the CPU when offloaded."""
@@ -227,10 +331,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         norm_type = float(norm_type)
         with record_function("trainer_shard::grad_norm"):
             scale = abs(self._pending_factor())
+            zero = torch.zeros((), dtype=torch.float64, device=self._device())
             if norm_type == float("inf"):
-                local = torch.stack([f.grad.abs().max().float() for f in self.flats]).max().reshape(1)
+                local = torch.stack([zero.float(), *(f.grad.abs().max().float() for f in self.flats)]).max().reshape(1)
                 return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0] * scale
-            local = sum(_power_sum(f.grad, norm_type) for f in self.flats).reshape(1)
+            local = sum((_power_sum(f.grad, norm_type) for f in self.flats), zero).reshape(1)
             total = comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)
             return (total * scale).float() if scale != 1.0 else total.float()
 
@@ -273,6 +378,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_open()
+        self._consolidated = None  # the state it gathered is stale from now on
         with record_function("trainer_shard::optim_step"):
             for index, flat in enumerate(self.flats):
                 if flat.follow_outside_edits():
@@ -282,9 +389,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.found_inf:
                 self.skip_step()
                 return loss
-            hypers = [self._hyperparameters(i) for i in range(len(self.flats))]
-            self.stepper.step(hypers, list(self._grad_factors))
-            self._fresh = False
+            if self.flats:
+                hypers = [self._hyperparameters(i) for i in range(len(self.flats))]
+                held = Held(self.stepper, self.flats, self._state_device())  # frozen since: [Note: trainability]
+                self.stepper.step(hypers, list(self._grad_factors))
+                held.restore()
+                self._fresh = False
             if self.loss_scaler is not None:
                 self.loss_scaler.update(False)
         with record_function("trainer_shard::all_gather"):
@@ -305,6 +415,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _clear_grads(self) -> None:
         for flat in self.flats:
             flat.mark_grads_stale()
+            flat.accumulated = False
         self._grad_factors = []
         self._grads_ready = False
         self.found_inf = False
@@ -346,8 +457,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Gather the full optimizer state on rank `to`, in the local optimizer's format. Collective.
 
         Afterwards `state_dict()` on rank `to` returns what the unsharded optimizer would, with
-        the fp32 master weights under "master_params" when the parameters are 16-bit.
+        the fp32 master weights under "master_params" when the parameters are 16-bit, until the
+        next `step` (which frees it: a saved state is never stale) or `release_consolidated`.
         """
+        self._check_open()
+        self._consolidated_to = to
         ids = self._param_ids()
         state, masters = {}, {}
         for index, flat in enumerate(self.flats):
@@ -389,16 +503,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None
 
     def state_dict(self) -> dict:
-        """The full state after `consolidate_state_dict(to=this rank)`; otherwise this rank's shard.
+        """The full state, in the unsharded optimizer's format: on rank `to` after
+        `consolidate_state_dict(to)` (and before the next step); before the first step, the empty
+        state, on any rank. Otherwise raises `NotConsolidatedError`, as ZeroRedundancyOptimizer
+        does: this rank's shard alone is `local_state_dict()`.
 
-        A shard loads back only on the same rank and world size; the full state loads anywhere.
+        [Note: state_dict callers] accelerate's `prepare()` round-trips the state of the optimizer
+        it wraps (`AcceleratedOptimizer.__init__`: state_dict, moved to the device, load_state_dict)
+        before training starts; the fresh optimizer's empty state makes that free (nothing is read
+        from an offload store, nothing moved). The Trainer's checkpoints do not call it: each rank
+        streams its shard (state_io.write_shard).
         """
         if self._consolidated is not None:
             return self._consolidated
+        self._check_open()
+        if self._fresh:
+            return self._empty_state_dict()
+        if self._consolidated_to is not None and self._consolidated_to != self.rank:
+            where = f"it was consolidated on rank {self._consolidated_to}: call state_dict() there"
+        else:
+            where = (f"call consolidate_state_dict(to={self.rank}) on every rank first (a collective; the state may "
+                     "have changed since an earlier one)")  # fmt: skip
+        raise NotConsolidatedError(f"the optimizer state is sharded across ranks and not consolidated here: {where}; "
+                                   "or save this rank's shard alone with local_state_dict()")  # fmt: skip
+
+    def _empty_state_dict(self) -> dict:
+        """What the unsharded optimizer's `state_dict()` is before its first step."""
+        result = {"state": {}, "param_groups": self._groups_for_state_dict(self._param_ids())}
+        if self.loss_scaler is not None:
+            result["loss_scaler"] = self.loss_scaler.state_dict()
+        return result
+
+    def local_state_dict(self) -> dict:
+        """This rank's shard of the state: it loads back (`load_state_dict`) only on the same
+        rank and world size. Reads the whole shard from wherever it lives (offload store included)."""
+        self._check_open()
         indices = range(len(self.flats))
-        # Before the first step there is nothing to save that the parameters do not hold; and
-        # accelerate's prepare() round-trips the state (state_dict, load_state_dict), which must
-        # not materialize shard-sized masters (for an offloaded 3 B model, 11 GB).
         return {
             "shard": {"rank": self.rank, "world_size": self.world_size, "stage": self.stage},
             "fresh": self._fresh,
@@ -454,7 +594,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._fresh = all(scalars is None for _, scalars in saved)
 
     def _check_state_names(self, keys: list) -> None:
-        missing = sorted(set(per_element_state(self.optim_class, self.defaults)) - set(keys))
+        missing = sorted(set(per_element_state(self.optim_class, self.optim_kwargs)) - set(keys))
         if missing:
             raise ShardingError(f"the optimizer state lacks {missing} that {self.optim_class.__name__} keeps for "
                                 "every element; load a state saved by the same optimizer")  # fmt: skip
@@ -485,10 +625,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} param groups, "
                 f"this optimizer has {len(self.param_groups)}"
             )
+        self._check_open()
+        self._consolidated = None
         for mine, saved in zip(self.param_groups, groups):
             mine.update({k: v for k, v in saved.items() if k != "params"})
         if "shard" in state_dict:
             self._load_shard(state_dict)
+            return
+        if self._fresh and not state_dict.get("state") and state_dict.get("master_params") is None:
+            # an empty state into an empty optimizer (accelerate's round trip: [Note: state_dict callers])
+            if "loss_scaler" in state_dict and self.loss_scaler is not None:
+                self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
             return
         ids = self._param_ids()
         saved_state = state_dict.get("state", {})
@@ -504,8 +651,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if all(per_element(key, v, p) for v, p in zip(values, flat.params)):
                     keys.append(key)
                 else:
-                    value = values[0]
-                    scalars[key] = value.detach().clone().to(flat.grad.device) if torch.is_tensor(value) else value
+                    value = values[0]  # placed by the stepper, as torch places "step" (set_scalar_state)
+                    scalars[key] = value.detach().clone() if torch.is_tensor(value) else value
             for pid, state in zip(pids, per_param):
                 full[pid] = dict(state)
             if masters is not None and flat.dtype != torch.float32:  # fp32 parameters are their own masters
@@ -528,14 +675,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer state) and, offloaded, in the store."""
         return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats), **self.stepper.state_bytes()}
 
-    def close(self) -> None:
-        """Free the offload store (a disk store deletes its files). Also done at exit."""
-        self.stepper.close()
+    def close(self, why: str = "close() was called") -> None:
+        """Remove the gradient hooks and free the shards, the inner state and the offload store (a
+        disk store deletes its files). The parameters keep their values and train with any other
+        optimizer; this one refuses further use. Also done at exit, and when a newer
+        ShardedOptimizer takes the parameters over ([Note: one optimizer per parameter]).
+        Idempotent; not collective."""
+        if self.closed:
+            return
+        self.closed, self._closed_why = True, why
+        if self.reducer is not None:
+            self.reducer.close()
+        stepper = getattr(self, "stepper", None)  # None when the constructor failed before building it
+        if stepper is not None:
+            stepper.close()
+        self.flats, self._flat_owner = [], []  # a consolidated state stays: the caller asked for it
+        release_freed_memory()
 
     def __repr__(self) -> str:
         where = f", offload={self.offload.device}" if self.offload is not None else ""
-        return (f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}{where}, "
-                f"optim={self.optim_class.__name__}({self.defaults}))")  # fmt: skip
+        closed = ", closed" if self.closed else ""
+        return (f"ShardedOptimizer(stage={self.stage}, rank={self.rank}/{self.world_size}{where}{closed}, "
+                f"optim={self.optim_class.__name__}({self.optim_kwargs}))")  # fmt: skip
 
 
 def _resolve_class(optim, optimizer_class, assume_elementwise: bool):
@@ -546,15 +707,40 @@ def _resolve_class(optim, optimizer_class, assume_elementwise: bool):
         raise ShardingError("ShardedOptimizer needs the optimizer class to shard: optim=torch.optim.AdamW, for example")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ShardingError(f"optim must be a torch.optim.Optimizer class, got {cls!r}")
-    name = cls.__name__
-    if name in ELEMENTWISE or assume_elementwise:
+    if assume_elementwise or _elementwise_base(cls) is not None:
         return cls
+    name = cls.__name__
     why = _NOT_ELEMENTWISE.get(name, "it is not known to update each element from its own gradient and state alone")
+    base = next((b for b in cls.__mro__[1:] if b in _ELEMENTWISE_CLASSES), None)
+    if base is not None:
+        why = f"it replaces the step of {base.__name__}, its base"
     raise ShardingError(
-        f"cannot shard {name}: {why}, so stepping flat shards would change its results. Sharding works with "
-        f"{', '.join(sorted(ELEMENTWISE))}; pass assume_elementwise=True if {name} is elementwise, or train without "
-        "--sharded_ddp"
+        f"cannot shard {name}: {why}, so stepping flat shards might change its results. Sharding works with "
+        f"torch.optim's {', '.join(sorted(ELEMENTWISE))} and their subclasses that keep their step; pass "
+        f"assume_elementwise=True if {name} is elementwise, or train without --sharded_ddp"
     )
+
+
+def _elementwise_base(cls):
+    """The optimizer of `_ELEMENTWISE_CLASSES` whose update `cls` runs: itself, or the nearest such
+    base when `cls` keeps its `step` (torch wraps `step` for its hooks: compared unwrapped). None
+    otherwise: a subclass with a step of its own, or a class of another library that only shares
+    a name (bitsandbytes' "AdamW" quantizes its state block-wise)."""
+    base = next((b for b in cls.__mro__ if b in _ELEMENTWISE_CLASSES), None)
+    if base is None or inspect.unwrap(cls.step) is not inspect.unwrap(base.step):
+        return None
+    return base
+
+
+def _full_defaults(optim_class, kwargs: dict) -> dict:
+    """Every hyperparameter of `optim_class(**kwargs)`, its defaults filled in, as a torch
+    optimizer keeps them in `defaults` and in each param group (read from one built on a probe
+    tensor). If the probe cannot be built (an option that needs the real parameters' device),
+    `kwargs` as given: the inner optimizer's own construction reports what is wrong."""
+    try:
+        return dict(optim_class([torch.zeros(1, requires_grad=True)], **kwargs).defaults)
+    except (TypeError, ValueError, RuntimeError):
+        return dict(kwargs)
 
 
 def _check_same_everywhere(index: int, params: list, group) -> None:

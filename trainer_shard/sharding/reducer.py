@@ -20,6 +20,20 @@ all are waited for.
 With `overlap=False` (config `overlap_comm: false`) no bucket is launched while backward runs:
 all are reduced at its end, which holds every bucket's gradients until then (as much memory as
 full gradients) but leaves backward's compute alone.
+
+[Note: 16-bit reduction] Each rank's gradient is divided by the world size as it enters its
+bucket, before the sum over ranks, as DDP and DeepSpeed do: a sum of N fp16 gradients
+overflows at 1/N of the largest fp16 value, their mean only where one rank's own gradient
+already has (the dynamic loss scale can then stay N times higher). Buckets are reduced in
+`reduce_dtype`: by default the parameters' dtype up to `MAX_16BIT_RANKS` ranks (half the bytes
+on the wire, as DDP) and fp32 beyond, because a ring reduction rounds once per rank it passes:
+a bf16 sum over 8 ranks is 2.2x as far from the exact mean as one rounding, over 64 ranks 4.0x,
+over 512 ranks 30x (bench/results/grad_reduction.md). An fp32 bucket also divides in fp32, so
+the division costs fp16's smallest gradients nothing.
+
+[Note: hooks belong to one optimizer] A parameter feeds one reducer: the hooks `add` registers
+are removed by `close()`, which `ShardedOptimizer.close()` calls, as does a newer optimizer on
+the same parameters for the one it replaces (see [Note: one optimizer per parameter] in owners.py).
 """
 
 import torch
@@ -27,12 +41,24 @@ from torch.autograd.profiler import record_function
 
 from .. import comm
 
+MAX_16BIT_RANKS = 8
+"""Most ranks a 16-bit bucket is summed over by default; beyond, buckets are reduced in fp32. Over 8
+ranks a ring sum is 2.2x (bf16) and 1.8x (fp16) as far from the exact mean as rounding it once,
+over 16 ranks 3.1x and 2.6x (bench/results/grad_reduction.md)."""
+
+
+def default_reduce_dtype(param_dtype, world_size: int):
+    """The dtype buckets of `param_dtype` gradients are summed in: see [Note: 16-bit reduction]."""
+    if param_dtype in (torch.bfloat16, torch.float16) and world_size > MAX_16BIT_RANKS:
+        return torch.float32
+    return param_dtype
+
 
 class _BucketState:
-    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled")
+    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled", "dtype")
 
-    def __init__(self, flat, bucket):
-        self.flat, self.bucket = flat, bucket
+    def __init__(self, flat, bucket, dtype):
+        self.flat, self.bucket, self.dtype = flat, bucket, dtype
         self.remaining = len(bucket.slots)
         self.buffer = None
         self.filled = set()
@@ -40,7 +66,7 @@ class _BucketState:
     def ensure_buffer(self):
         """The bucket's buffer; every element gets written (gradients, or zeros by `zero_missing`)."""
         if self.buffer is None:
-            self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.flat.dtype, device=self.flat.buffer.device)
+            self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.dtype, device=self.flat.buffer.device)
             self.buffer[self.bucket.numel :].zero_()
         return self.buffer
 
@@ -53,15 +79,21 @@ class _BucketState:
 
 
 class GradReducer:
-    def __init__(self, group=None, max_in_flight: int = 2, overlap: bool = True):
+    """Reduce-scatters the gradients of the `FlatGroup`s it is given into their shards; see the
+    module docstring. `reduce_dtype`: None for `default_reduce_dtype`, else the dtype every bucket
+    is summed in."""
+
+    def __init__(self, group=None, max_in_flight: int = 2, overlap: bool = True, reduce_dtype=None):
         self.group = group
         self.overlap = overlap
         self.world_size = comm.rank_and_size(group)[1]
         self.max_in_flight = max(1, int(max_in_flight))
+        self.reduce_dtype = reduce_dtype
         self.flats = []
         self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
+        self._handles = []
         self._reset()
 
     def add(self, flat) -> None:
@@ -72,11 +104,23 @@ class GradReducer:
             for slot in bucket.slots:
                 param = flat.params[slot.index]
                 hook = self._make_hook(base + bucket.index, slot)
-                param.register_post_accumulate_grad_hook(hook)
+                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+        self._reset()
+
+    def dtype_for(self, flat):
+        """The dtype `flat`'s buckets are summed in."""
+        return self.reduce_dtype or default_reduce_dtype(flat.dtype, self.world_size)
+
+    def close(self) -> None:
+        """Remove every hook: backward leaves the gradients in `.grad` again. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.flats = []
         self._reset()
 
     def _reset(self) -> None:
-        self.states = [_BucketState(f, b) for f in self.flats for b in f.layout.buckets]
+        self.states = [_BucketState(f, b, self.dtype_for(f)) for f in self.flats for b in f.layout.buckets]
         self.next_bucket = 0
         self.in_flight = []
         self.callback_queued = False
@@ -93,21 +137,42 @@ class GradReducer:
         if not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.callback_queued = True
-        state = self.states[state_index]
+        self._take(self.states[state_index], slot, param)
+        if self.overlap:
+            self._launch_ready()
+
+    def _take(self, state, slot, param) -> None:
+        """`param.grad` / world size -> its place in the bucket; `.grad` freed."""
         grad, bucket, had_buffer = param.grad, state.bucket, state.buffer is not None
         param.grad = None
-        if len(bucket.slots) == 1 and bucket.padded_numel == bucket.numel and grad.is_contiguous():
-            state.buffer = grad.view(-1)  # reduce it where it is
-        else:
-            start = slot.offset - bucket.offset
-            with torch.no_grad():
-                state.ensure_buffer()[start : start + slot.numel].copy_(grad.reshape(-1))
+        with torch.no_grad():
+            if (len(bucket.slots) == 1 and bucket.padded_numel == bucket.numel and grad.is_contiguous()
+                    and grad.dtype == state.dtype):  # fmt: skip
+                state.buffer = _divided(grad.view(-1), self.world_size)  # reduce it where it is
+            else:
+                start = slot.offset - bucket.offset
+                target = state.ensure_buffer()[start : start + slot.numel]
+                _divided(grad.reshape(-1), self.world_size, out=target)
         if not had_buffer:
             self._count(state.buffer, +1)
         state.filled.add(slot.index)
         state.remaining -= 1
-        if self.overlap:
-            self._launch_ready()
+
+    def reduce_from_grads(self, flat) -> None:
+        """`flat`'s gradients as they are in `.grad` (accumulated before its hooks existed: a
+        parameter unfrozen after the optimizer was built) -> its shard. Collective; between
+        backward passes only."""
+        first = sum(len(f.layout.buckets) for f in self.flats[: self.flats.index(flat)])
+        states = self.states[first : first + len(flat.layout.buckets)]
+        for state in states:
+            for slot in state.bucket.slots:
+                if flat.params[slot.index].grad is not None:
+                    self._take(state, slot, flat.params[slot.index])
+        for state in states:
+            self._launch(state)
+        while self.in_flight:
+            self._complete_oldest()
+        self._reset()
 
     def _launch_ready(self, flush: bool = False) -> None:
         """Launch buckets in order; with `flush`, also those still waiting for gradients."""
@@ -115,22 +180,26 @@ class GradReducer:
             state = self.states[self.next_bucket]
             if state.remaining > 0 and not flush:
                 return
-            if state.buffer is None:
-                self._count(state.ensure_buffer(), +1)
-            if state.remaining > 0:
-                state.zero_missing()
-            while len(self.in_flight) >= self.max_in_flight:
-                self._complete_oldest()
-            out = torch.empty(state.bucket.shard_numel, dtype=state.flat.dtype, device=state.flat.buffer.device)
-            work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
-            self.in_flight.append((state, out, work))
+            self._launch(state)
             self.next_bucket += 1
+
+    def _launch(self, state) -> None:
+        """Reduce-scatter one bucket (zeros for gradients that did not arrive), asynchronously."""
+        if state.buffer is None:
+            self._count(state.ensure_buffer(), +1)
+        if state.remaining > 0:
+            state.zero_missing()
+        while len(self.in_flight) >= self.max_in_flight:
+            self._complete_oldest()
+        out = torch.empty(state.bucket.shard_numel, dtype=state.dtype, device=state.flat.buffer.device)
+        work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
+        self.in_flight.append((state, out, work))
 
     def _complete_oldest(self) -> None:
         state, out, work = self.in_flight.pop(0)
         with record_function("trainer_shard::reduce_scatter_wait"):
             work.wait()
-        state.flat.add_to_grad(state.bucket, out, alpha=1.0 / self.world_size)
+        state.flat.add_to_grad(state.bucket, out)  # already the mean: see [Note: 16-bit reduction]
         self._count(state.buffer, -1)
         state.buffer = None
 
@@ -149,3 +218,13 @@ class GradReducer:
     def pending(self) -> bool:
         """Gradients arrived since the last `finish` (backward still running or ended abnormally)."""
         return self.callback_queued
+
+
+def _divided(grad: torch.Tensor, world_size: int, out=None) -> torch.Tensor:
+    """grad / world_size, in place or into `out` (in one pass; two when it casts to `out`'s dtype,
+    dividing in that dtype)."""
+    if out is None:
+        return grad.div_(world_size) if world_size > 1 else grad
+    if world_size > 1:
+        return torch.div(grad, world_size, out=out) if out.dtype == grad.dtype else out.copy_(grad).div_(world_size)
+    return out.copy_(grad)

@@ -25,6 +25,7 @@ import bisect
 import functools
 import json
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -101,8 +102,10 @@ def write_shard(optimizer, folder, names: dict):
         return describe_write_error(e)
 
 
-def write_index(optimizer, folder, names: dict, files: dict) -> None:
-    """`folder/index.json` (rank 0): what every rank's file holds and how to re-partition it."""
+def write_index(optimizer, folder, names: dict, files: dict, written_by: dict | None = None) -> None:
+    """`folder/index.json` (rank 0, or each node's publisher; see training/checkpoints.py): what
+    every rank's file holds and how to re-partition it; `written_by` {file: {"node", "host",
+    "folder"}} says where each file was written, for the message when one is missing."""
     fresh = optimizer.fresh
     flats = []
     for i in range(len(optimizer.flats)):
@@ -124,6 +127,7 @@ def write_index(optimizer, folder, names: dict, files: dict) -> None:
         "loss_scaler": optimizer.loss_scaler.state_dict() if optimizer.loss_scaler is not None else None,
         "flats": flats,
         "files": files,
+        **({"written_by": written_by} if written_by else {}),
     }
     _write_json(Path(folder) / INDEX, index)
 
@@ -183,15 +187,51 @@ def read_index(folder) -> dict:
     return index
 
 
-def verify_files(folder, index: dict, rank: int = 0, world_size: int = 1, group=None) -> None:
-    """Every shard file is there with its size; this rank checks the CRC-32 of every
-    `world_size`-th file. Collective when `world_size` > 1: all ranks raise the same error."""
-    problems = file_problems(folder, index["files"], rank, world_size)
+def verify_files(folder, index: dict, rank: int = 0, world_size: int = 1, group=None, needed=None) -> None:
+    """The shard files this rank reads (`needed`, file names; default all, with this rank checking
+    the CRC-32 of every `world_size`-th) are there, with their sizes and CRC-32s. Collective when
+    `world_size` > 1: all ranks raise the same error, which names each missing file, the rank
+    that needs it and where it was written (see [Note: nodes without a shared filesystem] in
+    training/checkpoints.py)."""
+    files = index["files"]
+    if needed is None:
+        problems = file_problems(folder, files, rank, world_size)
+        missing = sorted(name for name in files if not (Path(folder) / name).is_file())
+    else:
+        problems = file_problems(folder, {name: files[name] for name in needed})
+        missing = sorted(name for name in needed if not (Path(folder) / name).is_file())
+    missing = [(rank, socket.gethostname(), str(Path(folder).resolve()), missing)] if missing else []
     if world_size > 1:
-        problems = sorted({p for rank_problems in comm.all_gather_objects(problems, group) for p in rank_problems})
+        gathered = comm.all_gather_objects((problems, missing), group)
+        problems = sorted({p for rank_problems, _ in gathered for p in rank_problems})
+        missing = [m for _, rank_missing in gathered for m in rank_missing]
     if problems:
         raise CheckpointError("the optimizer shards of this checkpoint cannot be used: " + "; ".join(problems)
-                              + ". Resume from an earlier checkpoint")  # fmt: skip
+                              + ". " + _missing_fix(index, missing))  # fmt: skip
+
+
+def _missing_fix(index: dict, missing: list) -> str:
+    """What to do: for files a rank needs that were written on another node (or into another
+    folder), where they are and how to bring them (or to need fewer); otherwise, the files are
+    simply gone: resume from an earlier checkpoint."""
+    written_by = index.get("written_by") or {}
+    needs = []
+    for rank, host, folder, names in missing:
+        places = {}
+        for name in names:
+            where = written_by.get(name)
+            if where and (where["host"], where["folder"]) != (host, folder):
+                place = f"node {where['node']} (host {where['host']}) wrote into {where['folder']}"
+                places.setdefault(place, []).append(name)
+        if places:
+            found = "; ".join(f"{', '.join(files)}, which {place}" for place, files in places.items())
+            needs.append(f"Rank {rank} reads {folder} and needs {found}")
+    if not needs:
+        return "Resume from an earlier checkpoint"
+    world = index["world_size"]
+    return (f"{'. '.join(needs)}. Copy the missing files into that folder from where they were written, or resume on "
+            f"{world} rank{'s' if world > 1 else ''} as they were saved (each rank then reads only its own file, "
+            "which is all a node keeps with --save_on_each_node), or resume from an earlier checkpoint")  # fmt: skip
 
 
 class ShardSources:
@@ -244,11 +284,30 @@ class ShardSources:
         self.read_range(name, key, 0, out.reshape(-1))
         return out
 
+    def needed_files(self, flats, names: dict) -> list:
+        """The file names a new shard reads: those of the old ranks that hold any element of
+        `flats`' segments (this rank's, in the new layout), by the index alone."""
+        ranks = set()
+        for flat in flats:
+            for seg in flat.segments:
+                name = names.get(flat.params[seg.index])
+                if name is None or name not in self.where:
+                    continue  # refused by name when the shards are loaded
+                start, end = seg.param_start, seg.param_start + seg.numel
+                for param_start, rank, _, numel in self.where[name][2]:
+                    if param_start < end and start < param_start + numel:
+                        ranks.add(rank)
+        ranks = ranks or {self.scalar_rank}  # an empty new shard still reads the scalars (step)
+        self.scalar_rank = min(ranks)  # every file holds them: read them from one this rank needs anyway
+        return [rank_file(r, self.world_size) for r in sorted(ranks)]
+
+    scalar_rank = 0  # the old rank whose file the scalars are read from
+
     def scalars(self, flat: int) -> dict:
         entry = self.index["flats"][flat]
         scalars = dict(entry["scalars"])
         for key in entry["tensor_scalars"]:
-            scalars[key] = self.file(0).read(f"flat{flat}.{key}").clone()
+            scalars[key] = self.file(self.scalar_rank).read(f"flat{flat}.{key}").clone()
         return scalars
 
     def close(self) -> None:
@@ -265,9 +324,12 @@ def load_shards(optimizer, folder, names: dict) -> None:
     """Load a shard folder saved at any world size, stage or offload into `optimizer`: every
     rank fills its own new shard from the old ranks' files. Collective."""
     index = read_index(folder)
-    verify_files(folder, index, optimizer.rank, optimizer.world_size, optimizer.group)
     sources = ShardSources(folder, index)
     try:
+        # each rank checks and reads only the old ranks' files its new shard needs: at the same
+        # world size its own, which is all a node holds without a shared filesystem
+        needed = sources.needed_files(optimizer.flats, names)
+        verify_files(folder, index, optimizer.rank, optimizer.world_size, optimizer.group, needed)
         _check_params(sources, [[names.get(p) for p in f.params] for f in optimizer.flats], folder)
         _load_hyperparameters(optimizer, index, names)
         if optimizer.loss_scaler is not None and index.get("loss_scaler"):

@@ -11,10 +11,25 @@ manifest of its files' sizes and CRC-32s that resuming checks first.
     save.record(error)                                   # a write error, for every rank to learn of
     save.gather()                                        # every rank's outcome; raises if one failed
     save.publish(state, shard_index)                     # manifest, rename, rotation
+
+[Note: nodes without a shared filesystem] With --save_on_each_node (transformers' flag for nodes
+that do not share --output_dir's filesystem) `args.should_save` is true on each node's local main
+process, not only on rank 0: each node's --output_dir gets the model, the trainer state and the
+scheduler, and each node's local main publishes its own staging folder, which holds the
+optimizer shards its own ranks wrote. The index in every copy names all the ranks' files and
+where each was written (node, host, folder). Resuming at the same world size, each rank checks
+and reads only the files its new shard needs (state_io.load_shards): its own, so each node's
+folder is enough. At another world size a rank may need files another node wrote; it is refused
+with the files it lacks and where they are. `check_output_dirs` checks at the start of training
+that the flag matches the filesystems: without it every node must see rank 0's --output_dir
+(else its ranks' shards would never reach rank 0's checkpoint), and with it no two nodes may
+share one (they would write the same files at once).
 """
 
 import os
 import shutil
+import socket
+import uuid
 import warnings
 from pathlib import Path
 
@@ -60,6 +75,7 @@ class StagedSave:
         self.shard_folder = self.shard_written = None  # this rank's optimizer shard: its file's info, or an error
         self.failure = None  # the first write error on this rank, as text
         self.outcomes = None  # every rank's (failure, shard_written), once gathered
+        self.locations = None  # every rank's {"node", "host", "folder"}: where its shard is published
 
     def begin(self) -> None:
         faults.at(phase=f"saving {self.name}")
@@ -82,20 +98,28 @@ class StagedSave:
 
     def gather(self) -> None:
         """Every rank's files are written, or every rank raises naming who failed and why."""
-        self.outcomes = comm.all_gather_objects((self.failure, self.shard_written))
+        location = {"node": node_rank(self.args), "host": socket.gethostname(),
+                    "folder": os.path.realpath(os.path.join(self.final, state_io.FOLDER))}  # fmt: skip
+        gathered = comm.all_gather_objects((self.failure, self.shard_written, location))
+        self.outcomes = [(failure, written) for failure, written, _ in gathered]
+        self.locations = [where for _, _, where in gathered]
         self._raise_if_failed(self.outcomes)
 
     def shard_index(self, optimizer, model) -> dict:
-        """Rank 0: the index of the optimizer shards every rank wrote; their files' manifest entries."""
+        """The publisher (rank 0, or each node's: see [Note: nodes without a shared filesystem]):
+        the index of the optimizer shards every rank wrote; the manifest entries of their files."""
         if optimizer is None or self.shard_folder is None:
             return {}
         files = state_io.shard_files([written for _, written in self.outcomes])
-        state_io.write_index(optimizer, self.shard_folder, state_io.param_names(model), files)
+        written_by = dict(zip(files, self.locations))
+        state_io.write_index(optimizer, self.shard_folder, state_io.param_names(model), files, written_by)
         return {f"{state_io.FOLDER}/{name}": info for name, info in files.items()}
 
     def publish(self, state, optimizer=None, model=None) -> str:
         """Manifest, rename into place, rotation; returns the published path. Nobody goes on
-        before the checkpoint is in place."""
+        before the checkpoint is in place. The publisher is `args.should_save`: rank 0, or with
+        --save_on_each_node each node's local main, for what its node's ranks wrote (see
+        [Note: nodes without a shared filesystem])."""
         best = state.best_model_checkpoint
         if best is not None and os.path.dirname(best) == os.path.join(self.run_dir, STAGING):
             state.best_model_checkpoint = os.path.join(self.run_dir, os.path.basename(best))
@@ -179,12 +203,70 @@ def load_scheduler(checkpoint, scheduler) -> None:
     reissue_pt_warnings(caught)
 
 
-def check_manifest(checkpoint, rank: int, world_size: int) -> None:
-    """Check `checkpoint` against its manifest before loading (ranks share the CRC work;
-    collective when `world_size` > 1)."""
+def check_manifest(checkpoint, args) -> None:
+    """Check `checkpoint` against its manifest before loading. The ranks that read one copy share
+    the CRC work: all of them, or with --save_on_each_node each node's own ranks, its copy.
+    Collective when there are several ranks: every rank raises the same error."""
+    rank, world_size = args.process_index, args.world_size
+    if getattr(args, "save_on_each_node", False):
+        rank, world_size = args.local_process_index, local_world_size(args)
     problems = manifest_problems(checkpoint, rank, world_size)
-    if world_size > 1:
+    if args.world_size > 1:
         problems = sorted({p for found in comm.all_gather_objects(problems) for p in found})
     if problems:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be resumed: " + "; ".join(problems)
                               + ". Resume from an earlier checkpoint")  # fmt: skip
+
+
+def local_world_size(args) -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; all of them when not set)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "world_size", 1)))
+
+
+def node_rank(args) -> int:
+    """This node's index (torchrun's GROUP_RANK, which --node_rank sets)."""
+    return int(os.environ.get("GROUP_RANK", getattr(args, "process_index", 0) // max(1, local_world_size(args))))
+
+
+def check_output_dirs(args) -> None:
+    """Several nodes: --save_on_each_node must match whether they share --output_dir (see
+    [Note: nodes without a shared filesystem]); raises `CheckpointError` on every rank otherwise.
+    Each node's local main leaves a file of a name of its own in its --output_dir, and looks for
+    the others' files. Collective with several nodes; nothing (and no collective) on one node."""
+    if args.world_size <= 1 or local_world_size(args) >= args.world_size:
+        return
+    folder = Path(args.output_dir)
+    marker = None
+    if args.local_process_index == 0:
+        marker = folder / f".trainer_shard-node-check-{uuid.uuid4().hex}"
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    try:
+        markers = comm.all_gather_objects(marker.name if marker else None)
+        others = [r for r, name in enumerate(markers) if name and r != args.process_index]
+        seen = sorted(r for r in others if (folder / markers[r]).exists()) if marker else None
+        seen = comm.all_gather_objects(seen)
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+    mains = [r for r, name in enumerate(markers) if name]
+    out = str(args.output_dir)
+    if getattr(args, "save_on_each_node", False):
+        shared = [(r, seen[r]) for r in mains if seen[r]]
+        if shared:
+            pairs = "; ".join(f"rank {r} sees rank {', '.join(map(str, seen_))}'s files there" for r, seen_ in shared)
+            raise CheckpointError(
+                f"--save_on_each_node, but nodes share --output_dir {out!r} ({pairs}): each node's "
+                "local main would write the same checkpoint files at once. Remove --save_on_each_node (rank 0 then "
+                "publishes every checkpoint for all nodes), or give each node an --output_dir of its own"
+            )
+        return
+    blind = [r for r in mains if r != 0 and 0 not in seen[r]]
+    if blind:
+        raise CheckpointError(
+            f"--output_dir {out!r}: the node(s) of rank(s) {', '.join(map(str, blind))} do not see the files rank 0 "
+            "writes there: the nodes do not share a filesystem, so their ranks' optimizer shards would never reach "
+            "rank 0's checkpoints. Pass --save_on_each_node (each node then saves and publishes its own ranks' files; "
+            "resume on the same number of ranks, or bring the files a rank needs), or point --output_dir at a "
+            "filesystem all nodes share"
+        )

@@ -1,25 +1,90 @@
-"""Loss normalization: which models' losses the Trainer may rescale by token counts."""
+"""Loss normalization: whether a model's loss honours the `num_items_in_batch` the Trainer passes.
+
+The Trainer takes any `**kwargs` in `forward` as a yes, then multiplies the loss by the world
+size and skips the division by the gradient accumulation steps. T5, BART, Marian, mBART and
+Pegasus (transformers 5.x) accept `**kwargs` but return a plain per-batch mean, so their loss
+and gradients would come out world_size x accumulation_steps too large.
+
+What a model declares wins: its `accepts_loss_kwargs`, or a `num_items_in_batch` parameter of
+its `forward`. A model that declares neither is watched on its first training step
+(`LossKwargsObserver`): Hugging Face models compute their loss through `self.loss_function`, and
+the loss is normalized exactly when that call receives a `num_items_in_batch`. A model with no
+`loss_function` anywhere cannot be watched: the Trainer's own judgement stands.
+
+Where the answer is no, the Trainer is told `model_accepts_loss_kwargs = False`: per-batch mean
+losses, averaged over ranks by DDP and over micro-steps by the Trainer, the classic data-parallel
+loss. On one process without accumulation both answers compute the same thing.
+"""
 
 import inspect
 
+from transformers import PreTrainedModel
 
-def model_normalizes_by_num_items(model) -> bool:
-    """Whether the model's loss divides by the `num_items_in_batch` the Trainer passes it.
+_MISSING = object()
 
-    The Trainer takes any `**kwargs` in `forward` as a yes, then multiplies the loss by the world
-    size and skips the division by the gradient accumulation steps. T5, BART, Marian, mBART and
-    Pegasus (transformers 5.x) accept `**kwargs` but return a plain per-batch mean, so their loss
-    and gradients come out world_size x accumulation_steps too large. Models that honour the
-    count go through `self.loss_function` or name `num_items_in_batch` in `forward`.
 
-    Where it says no, the mixin sets `model_accepts_loss_kwargs = False`: per-batch mean losses,
-    averaged over ranks by DDP and over micro-steps by the Trainer, the classic data-parallel loss.
-    """
+def declared_normalization(model):
+    """True or False where `model` says whether it divides by `num_items_in_batch`; None where it
+    does not say (a `**kwargs` forward: `LossKwargsObserver` tells on the first step)."""
     explicit = getattr(model, "accepts_loss_kwargs", None)
     if explicit is not None:
         return bool(explicit)
     try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return True  # cannot tell: keep the Trainer's own judgement
-    return "loss_function" in source or "num_items_in_batch" in source
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return True if "num_items_in_batch" in parameters else None
+
+
+class LossKwargsObserver:
+    """Within `with observer:` every `loss_function` of the model's Hugging Face modules records
+    whether it was given a `num_items_in_batch`; `normalized` says so afterwards.
+
+        observer = LossKwargsObserver(model)
+        if observer.can_observe:
+            with observer:
+                loss = model(**inputs, num_items_in_batch=n).loss
+            observer.normalized   # True: the loss was divided by n
+    """
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+        self.normalized = False
+        self._saved = []
+
+    @property
+    def can_observe(self) -> bool:
+        return bool(self.modules)
+
+    def __enter__(self):
+        for module in self.modules:
+            self._saved.append((module, module.__dict__.get("_loss_function", _MISSING)))
+            module.loss_function = self._recording(module.loss_function)
+        return self
+
+    def __exit__(self, *exc):
+        for module, saved in self._saved:
+            if saved is _MISSING:
+                del module._loss_function
+            else:
+                module._loss_function = saved
+        self._saved = []
+        return False
+
+    def _recording(self, loss_function):
+        try:
+            signature = inspect.signature(loss_function)
+        except (TypeError, ValueError):
+            signature = None
+
+        def recording(*args, **kwargs):
+            count = kwargs.get("num_items_in_batch")
+            if count is None and signature is not None:
+                try:
+                    count = signature.bind_partial(*args, **kwargs).arguments.get("num_items_in_batch")
+                except TypeError:
+                    count = None
+            self.normalized = self.normalized or count is not None
+            return loss_function(*args, **kwargs)
+
+        return recording

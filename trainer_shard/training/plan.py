@@ -19,7 +19,7 @@ from .. import comm, dtypes
 from ..args import ShardedDDPOption, stage_from_options
 from ..checkpoint import unique_state_dict
 from ..config import apply as config_apply
-from ..errors import ArgumentError
+from ..errors import ArgumentError, TrainerShardError
 from ..offload import OffloadSpec
 from ..offload.engine import per_element_state
 from ..offload.store import check_disk_store
@@ -29,48 +29,66 @@ ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for 
 
 def plan(args, config) -> tuple:
     """(stage, spec) from the flags and the config (`--sharded_ddp "zero_dp_2 offload"` without a
-    config: CPU offload with the defaults)."""
+    config: CPU offload with the defaults, its store pinned when CUDA is present, so gradient and
+    weight chunks cross to and from the GPU asynchronously)."""
     options = getattr(args, "sharded_ddp", None) or []
     stage = config_apply.zero_stage(config, stage_from_options(options))
     spec = OffloadSpec.from_config(config) if config is not None else None
     if ShardedDDPOption.OFFLOAD in options and spec is None:
-        spec = OffloadSpec("cpu")
+        spec = OffloadSpec("cpu", pin_memory=torch.cuda.is_available())
     return stage, spec
 
 
 def choose_strategy(args, model, train_dataset, config) -> tuple:
     """--sharded_ddp auto: rank 0 estimates every strategy (planner.py: exact state bytes, a
     measured activation probe) and picks the least costly one that fits the memory per rank
-    (the config's max_memory, else what it detects); every rank takes its choice. Collective."""
+    (the config's max_memory, else what it detects); every rank takes its choice. Collective.
+
+    The probe takes minutes on a big model: the other ranks wait for its outcome through the
+    rendezvous store (`comm.share_from_rank_zero`), as long as the probe may take, not the
+    process group's timeout; a probe that fails makes every rank raise the same error."""
     from .. import planner
 
-    rank = args.process_index
     configured = getattr(config, "max_memory", None) or {}
     device = args.device
     budget = configured.get("cpu" if device.type == "cpu" else device.index or 0) or planner.detect_budget(device)
-    decision = None
-    if rank == 0:
-        source, target = planner.dataset_lengths(train_dataset) if train_dataset is not None else (128, 128)
-        precision = dtypes.precision(args)
-        with tempfile.TemporaryDirectory() as folder:
-            model.config.save_pretrained(folder)
-            probes = planner.measure_probes(folder, precision, source, target, device.type)
-        rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
-                                batch_size=args.per_device_train_batch_size, source_length=source,
-                                target_length=target, device=device.type, probes=probes, max_memory=budget)  # fmt: skip
-        choice = planner.choose(rows, budget)
-        decision = (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
-    chosen, why = comm.all_gather_objects(decision)[0]
+    outcome = None
+    if args.process_index == 0:
+        try:
+            outcome = _plan_on_rank_zero(args, model, train_dataset, budget)
+        except Exception as e:  # every rank must learn of it, not wait for the answer
+            outcome = ("failed", f"{type(e).__name__}: {e}")
+    kind, value = comm.share_from_rank_zero(outcome, timeout=2 * planner.PROBE_TIMEOUT_S + 60)
+    if kind == "failed":
+        raise TrainerShardError(f"--sharded_ddp auto: the memory probe on rank 0 failed ({value}); name a strategy "
+                                "instead (--sharded_ddp simple|zero_dp_2 [offload], or --offload CONFIG.json)")  # fmt: skip
+    chosen, why = value
     if chosen is None:
         raise ArgumentError(f"--sharded_ddp auto: {why}; lower --per_device_train_batch_size or the sequence "
                             "lengths, or add ranks")  # fmt: skip
-    if rank == 0:
+    if args.process_index == 0:
         print(f"--sharded_ddp auto: {why}", flush=True)
     strategy, offload = chosen
     stage = {"ddp": None, "simple": 1, "zero_dp_2": 2}[strategy]
     spec = {"none": None, "cpu": OffloadSpec("cpu"),
             "disk": OffloadSpec("nvme", nvme_path=os.path.join(args.output_dir, "offload_store"))}[offload]  # fmt: skip
     return stage, spec
+
+
+def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:
+    """("chosen", ((strategy, offload) or None, why)): the planner's estimate and choice."""
+    from .. import planner
+
+    source, target = planner.dataset_lengths(train_dataset) if train_dataset is not None else (128, 128)
+    precision = dtypes.precision(args)
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        probes = planner.measure_probes(folder, precision, source, target, args.device.type)
+    rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
+                            batch_size=args.per_device_train_batch_size, source_length=source, target_length=target,
+                            device=args.device.type, probes=probes, max_memory=budget)  # fmt: skip
+    choice = planner.choose(rows, budget)
+    return "chosen", (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
 
 
 def state_tensors(optim_class, kwargs: dict):
@@ -93,7 +111,7 @@ def check_disk_room(spec, model, states, rank: int, world_size: int) -> None:
     if spec is None or spec.device != "nvme" or states is None:
         return
     needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size))
-    check_disk_store(spec.nvme_path, rank, needed)
+    check_disk_store(spec.nvme_path, rank, needed, in_use=True)
 
 
 def checkpoint_bytes(model, sharded: bool, states, with_optimizer: bool = True) -> int:
