@@ -141,8 +141,8 @@ class ShardedTrainerMixin:
         self.offload_config = getattr(self.args, "offload_config", None)
         self._sharding_stage, self.offload_spec = plan.plan(self.args, self.offload_config)
         options = getattr(self.args, "sharded_ddp", None) or []
+        model = self.accelerator.unwrap_model(self.model)
         if ShardedDDPOption.AUTO in options and self.train_dataset is not None:  # nothing to choose for evaluation
-            model = self.accelerator.unwrap_model(self.model)
             self._sharding_stage, self.offload_spec = plan.choose_strategy(
                 self.args, model, self.train_dataset, self.offload_config
             )
@@ -154,7 +154,7 @@ class ShardedTrainerMixin:
                     "keep one"
                 )
             self.optimizer_cls_and_kwargs = config_optimizer
-        plan.check_disk_room(self.offload_spec, self.accelerator.unwrap_model(self.model), self._state_tensors(),
+        plan.check_disk_room(self.offload_spec, model, self._state_tensors(),
                              self.args.process_index, world_size_from_env())  # fmt: skip
 
     def _state_tensors(self):

@@ -122,8 +122,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.offload = offload
         self.grad_dtype = grad_dtype
-        for previous in owners.claim(self, [p for g in self.param_groups for p in g["params"]]):
-            previous.close(why="a newer ShardedOptimizer took its parameters over")
+        self._take_over([p for g in self.param_groups for p in g["params"]])
         if self.reducer is not None:  # hooks go with the optimizer, even one never closed
             weakref.finalize(self, GradReducer.close, self.reducer)
         # where the masters and the state live, and who steps them: see stepper.py
@@ -147,7 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _log_reduction(self) -> None:
         """Say so when buckets are summed in 16 bits over more ranks than the default allows."""
-        if self.reducer is None or self.reducer.reduce_dtype in (None, torch.float32) or self.rank != 0:
+        if self.reducer is None or self.rank != 0:
             return
         if self.world_size > MAX_16BIT_RANKS and self.reducer.reduce_dtype in (torch.bfloat16, torch.float16):
             logger.warning("reduce_dtype=%s over %d ranks trades accuracy for bandwidth: a ring sum rounds once per "
@@ -173,10 +172,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if self._building:
             return  # the constructor flattens every group once the inner optimizer exists
-        params = self.param_groups[-1]["params"]
+        self._take_over(self.param_groups[-1]["params"])
+        self._build_flats(len(self.param_groups) - 1)
+
+    def _take_over(self, params) -> None:
+        """Close every other live optimizer that holds any of `params` (owners.py)."""
         for previous in owners.claim(self, params):
             previous.close(why="a newer ShardedOptimizer took its parameters over")
-        self._build_flats(len(self.param_groups) - 1)
 
     def _build_flats(self, index: int, params=None) -> None:
         """Flatten `params` (default: the trainable ones of group `index`), one FlatGroup per
@@ -217,6 +219,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and bring their gradients (in `.grad`, from before they had hooks) into the new shards.
         Collective when any parameter waits: every rank must unfreeze the same ones. See
         [Note: trainability] in frozen.py."""
+        if len(self._flattened) == sum(len(g["params"]) for g in self.param_groups):
+            return  # every parameter is in a flat: the common case, checked in a sum per step
         waiting = [(i, [p for p in g["params"] if p not in self._flattened]) for i, g in enumerate(self.param_groups)]
         waiting = [(i, params) for i, params in waiting if params]
         if not waiting:
@@ -291,8 +295,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _log_16_bit_accumulation(self) -> None:
         """Once: micro-batches were summed in a 16-bit gradient shard (grad_dtype)."""
+        if self._logged_accumulation:
+            return
         flat = next((f for f in self.flats if f.accumulated and f.grad.dtype != torch.float32), None)
-        if flat is None or self._logged_accumulation:
+        if flat is None:
             return
         self._logged_accumulation = True
         if self.rank == 0:
