@@ -8,6 +8,9 @@ One process:
 
 Several processes, data parallel (gloo on CPU; NCCL on GPUs):
     torchrun --nproc_per_node 2 scripts/finetune_trainer.py ...same flags...
+    accelerate launch --cpu --num_processes 2 scripts/finetune_trainer.py ...same flags...
+(accelerate starts that one as a single process: the script starts its ranks with torchrun's
+launcher, see relaunch_under_torchrun.)
 
 A JSON file of arguments, flags after it overriding it (`make demo` runs this):
     python scripts/finetune_trainer.py configs/demo.json --num_train_epochs 1
@@ -18,6 +21,7 @@ test_generations.txt to --output_dir.
 """
 
 import logging
+import os
 import sys
 
 import torch
@@ -31,6 +35,7 @@ from trainer_shard.errors import TrainerShardError
 from trainer_shard.faults import EXIT_PEER_FAILED, PeerFailedError, TrainingInterrupted
 from trainer_shard.loading import load_pretrained_lean
 from trainer_shard.offload.dispatch import load_dispatched
+from trainer_shard.training.guard import accelerate_cpu_launch, launcher_argv
 from trainer_shard.finetune import (
     count_parameters,
     freeze_params,
@@ -184,5 +189,28 @@ def run(argv=None, **trainer_kwargs) -> int:
     return 0
 
 
+def relaunch_under_torchrun() -> None:
+    """`accelerate launch --cpu --num_processes N` runs this script as one process, with no RANK or
+    WORLD_SIZE (see guard.accelerate_cpu_launch): start its N ranks here with torchrun's launcher, on
+    the MASTER_ADDR and MASTER_PORT accelerate set, as `torchrun --nproc_per_node N` would; exits
+    with torchrun's status. Does nothing under any other launcher, or on a rank."""
+    launch = accelerate_cpu_launch(launcher_argv(), sys.argv[0])
+    if launch is None:
+        return
+    if (launch.num_machines or 1) > 1:
+        print(f"finetune_trainer.py: error: `accelerate launch --cpu --num_machines {launch.num_machines}` starts "
+              "one process a machine; run `torchrun --nnodes ... --nproc_per_node ...` on each machine instead",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
+    from torch.distributed.run import main as torchrun
+
+    port = os.environ.get("MASTER_PORT", "29500")
+    rendezvous = ["--standalone"] if port == "0" else ["--master_addr", os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                                        "--master_port", port]  # fmt: skip
+    torchrun(["--nproc_per_node", str(launch.num_processes), *rendezvous, sys.argv[0], *sys.argv[1:]])
+    sys.exit(0)  # a failed rank raises ChildFailedError: exit status 1, as torchrun's
+
+
 if __name__ == "__main__":
+    relaunch_under_torchrun()
     sys.exit(run())

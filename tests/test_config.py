@@ -33,7 +33,7 @@ def problems(tmp_path, data, **kwargs):
         ("{'single': 'quotes'}", "$", "not valid JSON"),
         ('{"a": 1,}', "$", "line 1, column"),
         ('{"gradient_clipping": NaN}', "$", "NaN is not a number JSON allows"),
-        ({"steps_per_print": 10}, "$.steps_per_print", "unknown key; allowed here: zero_optimization"),
+        ({"steps_per_prnt": 10}, "$.steps_per_prnt", "unknown key (did you mean steps_per_print?)"),
         ({"zero_optimization": {"offload_optimizer": {"devise": "cpu"}}},
          "$.zero_optimization.offload_optimizer.devise", "allowed here: device, nvme_path"),
         ({"zero_optimization": {"stage": "2"}}, "$.zero_optimization.stage", "must be an integer"),
@@ -53,6 +53,8 @@ def problems(tmp_path, data, **kwargs):
         ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "x"}}},
          "$.zero_optimization.cpu_offload", "contradicts"),
         ({"zero_optimization": {"stage": 3}}, "$.zero_optimization.stage", "not in this release"),
+        ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "$.zero_optimization.contiguous_gradients",
+         "must be true: gradients are always copied"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "$.fp16.enabled", "enable one"),
         ({"optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.99]}}}, "$.optimizer.params", "Adam arguments"),
         ({"optimizer": {"params": {"betas": [0.9]}}}, "$.optimizer.params.betas", "list of 2 numbers"),
@@ -113,6 +115,34 @@ def test_shipped_configs_are_valid(name):
     load_config(CONFIGS / name, world_size=2)
 
 
+@pytest.mark.parametrize(
+    "data, flags, ignored",
+    [
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 100, "allgather_bucket_size": 200}}, {},
+         {"$.zero_optimization.allgather_bucket_size": "stage 2 all-gathers the buckets it reduced"}),
+        ({"zero_optimization": {"overlap_comm": False}}, {"sharded_ddp": "simple"},
+         {"$.zero_optimization.overlap_comm": "false applies to stage 2"}),
+        ({"zero_optimization": {"reduce_bucket_size": 100}}, {},
+         {"$.zero_optimization.reduce_bucket_size": "not used in a run without sharding"}),
+        ({"fp16": {"loss_scale": 128}}, {}, {"$.fp16": "loss_scale: loss-scale settings, and fp16 is off"}),
+        ({"fp16": {"enabled": True, "loss_scale": 128}}, {}, {"$.fp16": "the Trainer's GradScaler scales the loss"}),
+    ],
+)  # fmt: skip
+def test_keys_that_do_nothing_in_this_run_are_ignored_with_one_warning(tmp_path, data, flags, ignored, caplog):
+    with caplog.at_level("WARNING", logger="trainer_shard.args"):
+        config = training_args(tmp_path, offload=str(write(tmp_path, data)), **flags).offload_config
+    assert set(dict(config.ignored)) == set(ignored)
+    assert all(fragment in dict(config.ignored)[key] for key, fragment in ignored.items())
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == len(ignored) and all(key in w for key, w in zip(ignored, warned)), warned
+
+
+def test_readme_has_the_generated_table_of_every_key():
+    table = subprocess.run([sys.executable, str(CONFIGS.parent / "scripts" / "config_keys_table.py")],
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert table in (CONFIGS / "README.md").read_text(), "run scripts/config_keys_table.py into configs/README.md"
+
+
 def test_readme_documents_every_key():
     readme = (CONFIGS / "README.md").read_text()
 
@@ -138,19 +168,16 @@ def test_offload_flag_checks_the_config_against_the_flags(tmp_path):
 @pytest.mark.parametrize(
     "data, flags, fragment",
     [
-        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": 100, "allgather_bucket_size": 200}}, {},
-         "allgather_bucket_size: is 200 but reduce_bucket_size is 100"),
-        ({"zero_optimization": {"overlap_comm": False}}, {"sharded_ddp": "simple"}, "overlap_comm: false applies to stage 2"),
-        ({"zero_optimization": {"reduce_bucket_size": 100}}, {}, "means nothing without sharding"),
-        ({"fp16": {"loss_scale": 128}}, {}, "fp16.loss_scale: is a loss-scale setting but fp16 is not enabled"),
-        ({"fp16": {"enabled": True, "loss_scale": 128}}, {}, "the Trainer's own GradScaler is used"),
+        ({"communication_data_type": "fp32"}, {"sharded_ddp": "simple", "bf16": True},
+         "communication_data_type is fp32, and at stage 1 DDP sums the gradients in the training dtype"),
+        ({"data_types": {"param_dtype": "fp16"}}, {"bf16": True}, "data_types.param_dtype is fp16 but the run trains in bf16"),
         ({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}}, {}, "use type \"Adam\""),
         ({"optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}, {}, "momentum: is an SGD argument"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/dev/null/store"}}}, {},
          "cannot create the disk store folder .*/dev/null.* is not a folder"),
     ],
 )  # fmt: skip
-def test_keys_that_would_do_nothing_are_refused(tmp_path, data, flags, fragment):
+def test_what_cannot_be_honoured_is_refused(tmp_path, data, flags, fragment):
     with pytest.raises(ArgumentError, match=fragment):
         training_args(tmp_path, offload=str(write(tmp_path, data)), **flags)
 
@@ -159,7 +186,8 @@ def test_keys_that_would_do_nothing_are_refused(tmp_path, data, flags, fragment)
 def test_validate_config_command(tmp_path):
     exe = Path(sys.executable).with_name("trainer-shard")
     ok = subprocess.run([exe, "validate-config", CONFIGS / "offload_disk.json"], capture_output=True, text=True)
-    assert ok.returncode == 0 and "valid: stage 2, optimizer offload nvme at offload_store" in ok.stdout
+    assert ok.returncode == 0 and "valid on 1 rank" in ok.stdout
+    assert "  optimizer offload: nvme at offload_store/rank<R>" in ok.stdout.splitlines()
     bad = write(tmp_path, {"zero_optimization": {"stage": "two"}})
     proc = subprocess.run([exe, "validate-config", bad], capture_output=True, text=True)
     assert proc.returncode == 2 and "$.zero_optimization.stage: must be an integer" in proc.stderr

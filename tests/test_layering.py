@@ -83,12 +83,13 @@ def test_zero_stage_and_the_offload_spec_come_from_the_config():
 def test_loss_scaler_kwargs_build_the_scaler_the_fp16_section_describes():
     def fp16(**kw):
         return SimpleNamespace(**{"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                                  "min_loss_scale": 1.0, **kw})  # fmt: skip
+                                  "min_loss_scale": 1.0, "hysteresis": 2, "consecutive_hysteresis": False, **kw})  # fmt: skip
 
     assert apply.loss_scaler_kwargs(None) == {}
     assert apply.loss_scaler_kwargs(fp16(loss_scale=128.0)) == {"init_scale": 128.0, "static": True}
     scaler = DynamicLossScaler(**apply.loss_scaler_kwargs(fp16(initial_scale_power=10, loss_scale_window=50)))
     assert (scaler.scale, scaler.growth_interval, scaler.min_scale, scaler.static) == (2.0**10, 50, 1.0, False)
+    assert (scaler.hysteresis, scaler.consecutive_hysteresis, scaler.raise_error_at_min_scale) == (2, False, True)
 
 
 def test_every_default_size_is_the_one_in_constants():

@@ -15,13 +15,15 @@ failure or skip message:
   take 4 examples, greedy, 8 tokens; generate.py 8 tokens; make-demo-data 200 pairs.
 - A process per command, forked from one that imported torch and transformers once
   (tests/helpers/readme_launcher.py): `python SCRIPT` runs SCRIPT, `torchrun --nproc_per_node N`
-  starts N ranks with torchrun's environment, `trainer-shard` runs its command.
+  starts N ranks with torchrun's environment, `trainer-shard` runs its command; `accelerate launch`
+  runs the real accelerate CLI (the script's arguments at DEMO SCALE) on a free --main_process_port.
 - SKIPPED, visibly: `make` targets (they install, or run this suite inside itself; `make demo`'s
   command is the sandbox's setup); commands that name CUDA, on a machine without a GPU. A command
   of a kind not listed here fails its test, asking for a rule: nothing is left out silently.
 
 The whole README costs about 22 s on 2 idle cores (measured: 5 s of imports in the launcher, then
-0.2 to 2 s a command, 5.5 s for `--sharded_ddp auto`, whose memory probe is a process of its own).
+0.2 to 2 s a command, 5.5 s for `--sharded_ddp auto`, whose memory probe is a process of its own),
+and the `accelerate launch` example about 15 s more: it starts cold, through the real CLI.
 """
 
 import json
@@ -40,7 +42,10 @@ from conftest import ROOT, script_env
 
 READMES = ["README.md", "configs/README.md"]
 LAUNCHER = ROOT / "tests" / "helpers" / "readme_launcher.py"
-PROGRAMS = {".venv/bin/python": "python", ".venv/bin/torchrun": "torchrun", ".venv/bin/trainer-shard": "trainer-shard"}
+PROGRAMS = {".venv/bin/python": "python", ".venv/bin/torchrun": "torchrun", ".venv/bin/trainer-shard": "trainer-shard",
+            ".venv/bin/accelerate": "accelerate"}  # fmt: skip
+ACCELERATE_FLAGS = {"--cpu": 0, "--num_processes": 1, "--num_machines": 1, "--mixed_precision": 1,
+                    "--dynamo_backend": 1, "--main_process_port": 1}  # flag: how many values follow it
 STEP_FLAGS = ("--max_steps", "--save_steps", "--eval_steps", "--logging_steps")
 FINETUNE_SHORT = ["--n_val", "4", "--n_test", "4", "--eval_beams", "1", "--val_max_target_length", "8",
                   "--test_max_target_length", "8"]  # fmt: skip
@@ -134,8 +139,29 @@ def parse(where: str, text: str, tokens: list) -> Command:
         args = _torchrun_args(command, args)
         if command.problem:
             return command
+    if program == "accelerate":
+        launcher, args = _accelerate_args(command, args)
+        if command.problem:
+            return command
+        command.kind, command.argv = program, ["launch", *launcher, *demo_scale("python", args)]
+        return command
     command.kind, command.argv = program, demo_scale(program, args)
     return command
+
+
+def _accelerate_args(command: Command, args: list) -> tuple:
+    """`accelerate launch`'s own flags (those in ACCELERATE_FLAGS), and the script with its arguments."""
+    if args[:1] != ["launch"]:
+        command.problem = f"no rule for accelerate's {args[0] if args else 'no command'!r}"
+        return [], []
+    launcher, args = [], args[1:]
+    while args and args[0].startswith("--"):
+        if args[0] not in ACCELERATE_FLAGS:
+            command.problem = f"no rule for accelerate launch's {args[0]}"
+            return [], []
+        n = 1 + ACCELERATE_FLAGS[args[0]]
+        launcher, args = launcher + args[:n], args[n:]
+    return launcher, args
 
 
 def _torchrun_args(command: Command, args: list) -> list:

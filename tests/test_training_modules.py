@@ -5,13 +5,14 @@ a real disk gives, torch's own optimizers."""
 
 import copy
 import errno
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, TrainerControl, TrainerState,
+from transformers import (AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, T5Config, TrainerControl, TrainerState,
                           TrainingArguments)
 from transformers.training_args import ParallelMode
 
@@ -19,8 +20,11 @@ from test_sharded_optimizer import make_model
 from trainer_shard import ArgumentError, DistributedSetupError, OffloadSpec, OffloadStoreError, ShardedTrainer
 from trainer_shard.checkpoint import MANIFEST, STAGING, manifest_problems, save_model
 from trainer_shard.disk import format_bytes
-from trainer_shard.errors import CheckpointError
+from trainer_shard.errors import CheckpointError, ConfigError
 from trainer_shard.sharding import ShardedOptimizer, state_io
+from trainer_shard.config import apply as config_apply
+from trainer_shard.config import load_config
+from trainer_shard.constants import BUCKET_NUMEL
 from trainer_shard.training import build, checkpoints, guard, plan, supervision
 
 
@@ -77,21 +81,48 @@ def test_disk_room_is_checked_before_training(tmp_path, monkeypatch):
 # ---- build ------------------------------------------------------------------------------------
 
 
-def test_wrap_builds_what_the_flags_and_config_ask_for():
+def test_wrap_builds_what_the_flags_and_config_ask_for(tmp_path):
     model = make_model()
     args = SimpleNamespace(fp16=True, bf16=False)
-    config = SimpleNamespace(overlap_comm=False, grad_accum_dtype="fp32", reduce_bucket_size=123,
-                             allgather_bucket_size=456, loss_scale=0, initial_scale_power=8, loss_scale_window=10,
-                             min_loss_scale=1.0)  # fmt: skip
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({
+        "zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_bucket_size": 123, "allgather_bucket_size": 456},
+        "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32",
+        "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 10, "hysteresis": 3,
+                 "consecutive_hysteresis": True},
+    }))  # fmt: skip
+    config = load_config(path)
     opt = build.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), 2, None, args, config)
     assert isinstance(opt, ShardedOptimizer) and opt.stage == 2 and opt.optim_class is torch.optim.AdamW
-    assert opt.loss_scaler.scale == 2.0**8 and opt.loss_scaler.growth_interval == 10
+    scaler = opt.loss_scaler
+    assert scaler.scale == 2.0**8 and scaler.growth_interval == 10 and scaler.hysteresis == 3
+    assert scaler.consecutive_hysteresis and scaler.raise_error_at_min_scale  # as DeepSpeed's, from a config
+    assert opt.bucket_numel == 123 and opt.reducer.reduce_dtype is torch.float32 and not opt.reducer.overlap
     assert build.bucket_numel(config, 2) == 123 and build.bucket_numel(config, 1) == 456
     build.check_adoptable(opt, 2, None, args)
     with pytest.raises(ArgumentError, match="asks for ZeRO-1 but the trainer was given ShardedOptimizer at stage 2"):
         build.check_adoptable(opt, 1, None, args)
     with pytest.raises(ArgumentError, match="asks for ZeRO-2 but the trainer was given AdamW"):
         build.check_adoptable(torch.optim.AdamW(model.parameters()), 2, None, args)
+    opt.close()
+
+
+def test_auto_bucket_sizes_come_from_the_hidden_size(tmp_path):
+    """As the Hugging Face DeepSpeed integration fills them: h*h, 0.9*h*h, 10*h (T5: h = d_model)."""
+    t5 = SimpleNamespace(config=T5Config(d_model=48, d_ff=64, num_layers=1, num_heads=2, d_kv=8, vocab_size=50))
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto",
+                                                      "allgather_bucket_size": "auto"}}))  # fmt: skip
+    config = load_config(path)
+    assert build.bucket_numel(config, 2, t5) == 48 * 48 == build.bucket_numel(config, 1, t5)
+    stage3 = SimpleNamespace(raw={"zero_optimization": {"stage3_prefetch_bucket_size": "auto",
+                                                        "stage3_param_persistence_threshold": "auto"}})  # fmt: skip
+    sizes = config_apply.hidden_size_fills(stage3, t5)
+    assert sizes["stage3_prefetch_bucket_size"] == int(0.9 * 48 * 48) and sizes["stage3_param_persistence_threshold"] == 480
+    with pytest.raises(ConfigError, match="neither hidden_size nor hidden_sizes; write a number"):
+        build.bucket_numel(config, 2, make_model())
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))  # left out: the default, with no model needed
+    assert build.bucket_numel(load_config(path), 2) == BUCKET_NUMEL
 
 
 def test_mixed_precision_casts_the_parameters_to_16_bits():

@@ -134,7 +134,7 @@ def _offload_problems(args, options) -> list:
             "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
             "and drop 'offload' from --sharded_ddp"
         ]
-    from .config import load_config, stage_problems
+    from .config import load_config, stage_notes, stage_problems
     from .config.apply import zero_stage
     from .errors import ConfigError
 
@@ -146,9 +146,8 @@ def _offload_problems(args, options) -> list:
     if "max_memory" in loaded.raw and not auto:
         return [f"--offload {path}: max_memory is the per-rank budget of --sharded_ddp auto and means nothing "
                 "without it; remove it or pass --sharded_ddp auto"]  # fmt: skip
-    if auto and set(loaded.raw) - {"max_memory", "bf16", "fp16", "gradient_clipping", "train_micro_batch_size_per_gpu",
-                                   "gradient_accumulation_steps", "train_batch_size"}:  # fmt: skip
-        extra = sorted(set(loaded.raw) & {"zero_optimization", "optimizer", "scheduler", "data_types", "inference"})
+    extra = sorted(set(loaded.raw) & {"zero_optimization", "optimizer", "scheduler", "data_types", "inference"})
+    if auto and extra:
         return [f"--offload {path}: {', '.join(extra)}: --sharded_ddp auto chooses the stage and the offload itself; "
                 "give it a config with max_memory (and precision, batch keys) only, or name a strategy"]  # fmt: skip
     stage = stage_from_options(options)
@@ -160,8 +159,23 @@ def _offload_problems(args, options) -> list:
     if problems:
         return problems
     problems += _apply_config_to_args(args, loaded, zero_stage(loaded, stage), path)
+    if not auto:  # auto chooses the stage when the model is known; its configs hold no stage-bound keys
+        loaded = loaded.with_notes(stage_notes(loaded, stage, world_size_from_env(), dtypes.precision(args)))
     args.offload_config = loaded
+    if not problems:
+        log_notes(loaded, path)
     return problems
+
+
+def log_notes(config, path) -> None:
+    """One warning line for each key accepted and ignored, and an info line for each taken as what
+    the engine does anyway; on the first rank only (every rank reads the same file)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for key, why in config.ignored:
+        logger.warning("--offload %s: %s ignored: %s", path, key, why)
+    for key, why in config.given:
+        logger.info("--offload %s: %s accepted: %s", path, key, why)
 
 
 def stage_from_options(options):
@@ -179,17 +193,14 @@ def _apply_config_to_args(args, config, stage, path) -> list:
     if config.precision in ("bf16", "fp16") and not getattr(args, config.precision):
         logger.info("--offload %s turns on %s", path, config.precision)
         setattr(args, config.precision, True)
-    zero = config.raw.get("zero_optimization", {})
-    if stage == 1 and isinstance(zero.get("reduce_bucket_size"), int):
-        # stage 1 reduces through DDP: its bucket is the config's reduce bucket
-        element = 2 if args.bf16 or args.fp16 else 4  # the config's precision was applied to args above
-        cap_mb = max(1, math.ceil(zero["reduce_bucket_size"] * element / 2**20))
-        if args.ddp_bucket_cap_mb not in (None, cap_mb):
-            problems.append(f"--offload {path}: zero_optimization.reduce_bucket_size is {zero['reduce_bucket_size']:,} "
-                            f"elements ({cap_mb} MB) but --ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one")  # fmt: skip
-        args.ddp_bucket_cap_mb = cap_mb
+    if stage == 1 and config.reduce_bucket_size is not None:  # "auto": from the hidden size, once the model is known
+        problems += set_ddp_bucket(args, config.reduce_bucket_size, path)
     accum = config.grad_accum_dtype
     precision = dtypes.precision(args)
+    comm_dtype = config.communication_data_type
+    if stage == 1 and comm_dtype not in (None, precision):
+        problems.append(f"--offload {path}: communication_data_type is {comm_dtype}, and at stage 1 DDP sums the "
+                        f"gradients in the training dtype ({precision}); remove it, or use stage 2")  # fmt: skip
     if accum not in (None, "fp32") and accum != precision:
         problems.append(f"--offload {path}: data_types.grad_accum_dtype is {accum} but the run trains in {precision}; "
                         f"use fp32 or {precision}")  # fmt: skip
@@ -197,12 +208,10 @@ def _apply_config_to_args(args, config, stage, path) -> list:
         problems.append(f"--offload {path}: data_types.grad_accum_dtype {accum} needs offload (the optimizer steps "
                         "fp32 master shards on the device from an fp32 gradient shard); use fp32 or set "
                         "offload_optimizer.device")  # fmt: skip
-    fp16_settings = [k for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale")
-                     if k in config.raw.get("fp16", {})]  # fmt: skip
-    if stage is None and fp16_settings and (args.fp16 or config.precision == "fp16"):
-        problems.append(f"--offload {path}: fp16.{fp16_settings[0]} sets the sharded optimizer's loss scaler, and this "
-                        "run has no sharding (stage 0, no offload): the Trainer's own GradScaler is used; remove it or "
-                        "set zero_optimization.stage")  # fmt: skip
+    param_dtype = (config.raw.get("data_types") or {}).get("param_dtype")
+    if param_dtype not in (None, precision):
+        problems.append(f"--offload {path}: data_types.param_dtype is {param_dtype} but the run trains in {precision} "
+                        f"(the model is cast to it); write {precision}, or train with --{param_dtype}")  # fmt: skip
     if config.offload_device == "nvme":
         from .offload.store import OffloadStoreError, check_disk_store
 
@@ -221,6 +230,18 @@ def _apply_config_to_args(args, config, stage, path) -> list:
     if config.offload_device != "none" and config.pin_memory and not has_accelerator():
         logger.info("--offload %s: pin_memory applies to CUDA host-device copies; this run has no GPU", path)
     return problems
+
+
+def set_ddp_bucket(args, numel: int, path) -> list:
+    """Stage 1 reduces through DDP: its bucket (`--ddp_bucket_cap_mb`) is the config's reduce
+    bucket of `numel` elements. Problems if the flag says otherwise."""
+    element = 2 if args.bf16 or args.fp16 else 4  # the config's precision is applied to args by now
+    cap_mb = max(1, math.ceil(numel * element / 2**20))
+    if args.ddp_bucket_cap_mb not in (None, cap_mb):
+        return [f"--offload {path}: zero_optimization.reduce_bucket_size is {numel:,} elements ({cap_mb} MB) but "
+                f"--ddp_bucket_cap_mb is {args.ddp_bucket_cap_mb}; keep one"]  # fmt: skip
+    args.ddp_bucket_cap_mb = cap_mb
+    return []
 
 
 def _size_problems(args) -> list:

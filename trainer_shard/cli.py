@@ -20,8 +20,9 @@ COMMANDS = {
 
 
 def validate_config_main(argv=None) -> int:
-    """The same check `--offload` runs at start, from the shell (without TrainingArguments,
-    "auto" stays unresolved: it is filled at start)."""
+    """The same check `--offload` runs at start, from the shell: exit 0 and the effective settings,
+    then each key ignored or taken as what the engine does, one line each; or exit 2 and every
+    problem. Without the training arguments, "auto" stays unresolved: it is filled at start."""
     import argparse
 
     from .config import load_config
@@ -36,11 +37,55 @@ def validate_config_main(argv=None) -> int:
     except ConfigError as e:
         print(f"trainer-shard: {e}", file=sys.stderr)
         return 2
-    print(
-        f"{args.config}: valid: stage {config.stage}, optimizer offload {config.offload_device}"
-        f"{' at ' + config.nvme_path if config.nvme_path else ''}, precision {config.precision}"
-    )
+    print(f"{args.config}: valid on {args.world_size} rank{'s' if args.world_size != 1 else ''}")
+    for line in effective_settings(config, args.world_size):
+        print(f"  {line}")
+    for key, why in config.ignored:
+        print(f"ignored: {key}: {why}")
+    for key, why in config.given:
+        print(f"as the engine does: {key}: {why}")
     return 0
+
+
+def effective_settings(config, world_size: int) -> list:
+    """What a run of `config` does, a setting a line ("auto": filled from the flags at start)."""
+    from .config.load import run_stage
+    from .config.schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+
+    def value(v, auto_from):
+        return f"auto ({auto_from})" if v in ("auto", None) else v
+
+    stage = run_stage(config, None, world_size)
+    names = {None: "none (plain DDP)", 1: "1 (simple)", 2: "2 (zero_dp_2)"}
+    offload = config.offload_device + (f" at {config.nvme_path}/rank<R>" if config.nvme_path else "")
+    lines = [f"stage: {names[stage]}", f"optimizer offload: {offload}",
+             f"precision: {'from --fp16/--bf16' if config.precision == 'auto' else config.precision}"]  # fmt: skip
+    if config.optimizer is not None:
+        params = {k: v for k, v in config.optimizer["params"].items() if v is not None and OPTIMIZER_PARAMS[k].role == "effect"}
+        lines.append(f"optimizer: {config.optimizer['type']} {params}")
+    else:
+        lines.append("optimizer: the Trainer's --optim")
+    if config.scheduler is not None:
+        params = {k: v for k, v in config.scheduler["params"].items() if v is not None and SCHEDULER_PARAMS[k].role == "effect"}
+        lines.append(f"scheduler: {config.scheduler['type']} {params}")
+    else:
+        lines.append("scheduler: the Trainer's --lr_scheduler_type")
+    lines.append(f"gradient clipping: {value(config.gradient_clipping, '--max_grad_norm')}")
+    if stage is not None:
+        bucket = config.reduce_bucket_size if stage == 2 else config.allgather_bucket_size
+        lines.append(f"bucket: {value(bucket, 'hidden size squared') if isinstance(bucket, str) or bucket is None else f'{bucket:,}'} "
+                     "elements")  # fmt: skip
+        lines.append(f"overlap_comm: {str(config.overlap_comm).lower()}")
+    if config.precision in ("fp16", "auto"):
+        scale = (f"static {config.loss_scale:g}" if config.loss_scale > 0 else
+                 f"dynamic from 2**{config.initial_scale_power}, window {config.loss_scale_window}, hysteresis "
+                 f"{config.hysteresis}{' (consecutive)' if config.consecutive_hysteresis else ''}, min "
+                 f"{config.min_loss_scale:g}")  # fmt: skip
+        lines.append(f"fp16 loss scale: {scale}")
+    lines.append(f"batch: micro {value(config.micro_batch_size, '--per_device_train_batch_size')}, accumulation "
+                 f"{value(config.gradient_accumulation_steps, '--gradient_accumulation_steps')}, total "
+                 f"{value(config.train_batch_size, 'micro x accumulation x world size')}")  # fmt: skip
+    return lines
 
 
 def usage() -> str:

@@ -37,7 +37,7 @@ from transformers.trainer import TRAINING_ARGS_NAME
 import torch
 
 from . import faults
-from .args import ShardedDDPOption, world_size_from_env
+from .args import ShardedDDPOption, set_ddp_bucket, world_size_from_env
 from .checkpoint import check_writable, save_model
 from .config import apply as config_apply
 from .config.load import parse_size
@@ -154,6 +154,12 @@ class ShardedTrainerMixin:
                     "keep one"
                 )
             self.optimizer_cls_and_kwargs = config_optimizer
+        if self.offload_config is not None:  # "auto" sizes need the model's hidden size: say so before training
+            sizes = config_apply.hidden_size_fills(self.offload_config, model)
+            if self._sharding_stage == 1 and self.offload_config.reduce_bucket_size is None:
+                problems = set_ddp_bucket(self.args, sizes["reduce_bucket_size"], self.args.offload)
+                if problems:
+                    raise ArgumentError(problems)
         plan.check_disk_room(self.offload_spec, model, self._state_tensors(),
                              self.args.process_index, world_size_from_env())  # fmt: skip
 
@@ -175,14 +181,15 @@ class ShardedTrainerMixin:
             return super().create_optimizer(model)
         build.cast_for_mixed_precision(model if model is not None else self.model, self.args)
         plain = super().create_optimizer(model)
-        self.optimizer = build.wrap(plain, stage, self.offload_spec, self.args, self.offload_config)
+        model = self.accelerator.unwrap_model(model if model is not None else self.model)
+        self.optimizer = build.wrap(plain, stage, self.offload_spec, self.args, self.offload_config, model)
         self._adopt_sharded_optimizer(self.optimizer)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self.offload_config is not None and self.offload_config.scheduler is not None:
             self.lr_scheduler = config_apply.make_scheduler(
-                self.offload_config, optimizer or self.optimizer, num_training_steps, self.args.learning_rate
+                self.offload_config, optimizer or self.optimizer, num_training_steps, self.args.learning_rate, self.args
             )
             self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)

@@ -13,6 +13,8 @@ PLAN.json: {"commands": [{"id", "kind", "argv", "nproc", "stdin", "path", "text"
   MASTER_ADDR, MASTER_PORT; rank 0 hosts the store); as torchrun does, the first rank to fail
   stops the others. (torchrun itself is run by tests/test_end_to_end.py and the fault tests.)
 - "trainer-shard": `trainer-shard ARGS...`: trainer_shard.cli.main(argv);
+- "accelerate": `accelerate launch FLAGS SCRIPT ARGS...`: the real accelerate CLI, exec'd in the
+  forked process (it starts the script itself), with a free --main_process_port unless one is given;
 - "write": `echo TEXT > PATH`.
 
 "stdin" is what the command reads on its standard input (`echo TEXT | ...`). Each process's
@@ -92,6 +94,12 @@ def run(command: dict) -> int:
         from trainer_shard import cli
 
         return cli.main(command["argv"])
+    if command["kind"] == "accelerate":
+        argv = list(command["argv"])
+        if "--main_process_port" not in argv:
+            argv[1:1] = ["--main_process_port", str(free_port())]
+        accelerate = str(Path(sys.executable).with_name("accelerate"))
+        os.execv(sys.executable, [sys.executable, accelerate, *argv])
     sys.argv = list(command["argv"])
     runpy.run_path(command["argv"][0], run_name="__main__")
     return 0

@@ -1,5 +1,6 @@
-"""The offload config: a DeepSpeed-compatible JSON subset, checked whole before anything runs."""
+"""The offload config: DeepSpeed's config schema, a decision for every key, checked whole before
+anything runs."""
 
-from .load import OffloadConfig, load_config, stage_problems
+from .load import OffloadConfig, load_config, stage_notes, stage_problems
 
-__all__ = ["OffloadConfig", "load_config", "stage_problems"]
+__all__ = ["OffloadConfig", "load_config", "stage_notes", "stage_problems"]

@@ -4,8 +4,9 @@
     stage = zero_stage(config, stage_from_flags)         # ZeRO stage (or None)
     spec = OffloadSpec.from_config(config)               # `offload_optimizer`: the engine's spec (or None)
     cls, kwargs = optimizer_cls_and_kwargs(config, args) # the `optimizer` section, or None
-    scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr)  # `scheduler`, or None
+    scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr, args)  # `scheduler`, or None
     scaler = DynamicLossScaler(**loss_scaler_kwargs(config))  # `fp16` loss-scale settings
+    sizes = hidden_size_fills(config, model)             # "auto" sizes from the model's hidden size
 
 The TrainingArguments side (precision flags, DDP bucket size) is applied when the arguments
 are checked (`args._offload_problems`); everything else is read here for `training/`.
@@ -15,6 +16,10 @@ import math
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from ..constants import BUCKET_NUMEL
+from ..errors import ConfigError
+from .schema import AUTO
 
 
 def zero_stage(config, stage_from_flags):
@@ -46,12 +51,13 @@ def optimizer_cls_and_kwargs(config, args):
     # equal to --weight_decay, as the config check made sure
     lr = params.get("lr") if params.get("lr") is not None else args.learning_rate
     if kind == "SGD":
-        return torch.optim.SGD, {"lr": lr, "momentum": params.get("momentum") or 0.0}
+        return torch.optim.SGD, {"lr": lr, "momentum": params.get("momentum") or 0.0,
+                                 "nesterov": bool(params.get("nesterov")), "dampening": params.get("dampening") or 0.0}
     betas = tuple(params["betas"]) if params.get("betas") is not None else (args.adam_beta1, args.adam_beta2)
     eps = params.get("eps") if params.get("eps") is not None else args.adam_epsilon
     decoupled = kind == "AdamW" or params.get("adam_w_mode") is not False
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
-    return cls, {"lr": lr, "betas": betas, "eps": eps, "fused": True}
+    return cls, {"lr": lr, "betas": betas, "eps": eps, "amsgrad": bool(params.get("amsgrad")), "fused": True}
 
 
 def scheduler_lambda(kind: str, params: dict, base_lr: float, total_num_steps: int):
@@ -63,7 +69,7 @@ def scheduler_lambda(kind: str, params: dict, base_lr: float, total_num_steps: i
     low = params["warmup_min_lr"] or 0.0
     high = params["warmup_max_lr"] if params["warmup_max_lr"] is not None else base_lr
     warmup = max(2, params["warmup_num_steps"] if params["warmup_num_steps"] is not None else 1000)
-    total = params["total_num_steps"] or total_num_steps
+    total = params["total_num_steps"] if params["total_num_steps"] not in (None, AUTO) else total_num_steps
     log_warmup = params["warmup_type"] != "linear"
 
     def lr_at(iteration: int) -> float:
@@ -83,11 +89,75 @@ def scheduler_lambda(kind: str, params: dict, base_lr: float, total_num_steps: i
     return multiplier
 
 
-def make_scheduler(config, optimizer, num_training_steps: int, base_lr: float):
+def make_scheduler(config, optimizer, num_training_steps: int, base_lr: float, args=None):
+    """The `scheduler` section's LambdaLR, or None (see `scheduler_params`)."""
     section = config.scheduler if config is not None else None
     if section is None:
         return None
-    return LambdaLR(optimizer, scheduler_lambda(section["type"], section["params"], base_lr, num_training_steps))
+    params = scheduler_params(config, num_training_steps, args)
+    return LambdaLR(optimizer, scheduler_lambda(section["type"], params, base_lr, num_training_steps))
+
+
+def scheduler_params(config, num_training_steps: int, args=None) -> dict:
+    """The `scheduler` section's params with `"auto"` resolved for a run of `num_training_steps`:
+    `warmup_num_steps` is the run's (`--warmup_steps` as a count, or as a ratio of the steps when
+    below 1, at least 1), `total_num_steps` the steps, as the Hugging Face integration fills them.
+    An explicit warmup that contradicts a ratio is refused here, once the steps are known."""
+    params = dict(config.scheduler["params"])
+    if params["total_num_steps"] == AUTO:
+        params["total_num_steps"] = num_training_steps
+    if args is not None:
+        from .load import warmup_is_ratio
+
+        run_warmup = max(1, args.get_warmup_steps(num_training_steps))
+        if params["warmup_num_steps"] == AUTO:
+            params["warmup_num_steps"] = run_warmup
+        elif params["warmup_num_steps"] is not None and warmup_is_ratio(args) and params["warmup_num_steps"] != run_warmup:
+            raise ConfigError(args.offload, [("$.scheduler.params.warmup_num_steps", (
+                f"is {params['warmup_num_steps']} but --warmup_steps {args.warmup_steps} is {run_warmup} of the "
+                f"{num_training_steps} training steps; make them agree, or write \"auto\""))])  # fmt: skip
+    if AUTO in params.values():  # no TrainingArguments: what "auto" stands for is unknown
+        key = next(k for k, v in params.items() if v == AUTO)
+        raise ConfigError("offload config", [(f"$.scheduler.params.{key}", '"auto" needs the training arguments; '
+                                              "pass them, or write a number")])  # fmt: skip
+    return params
+
+
+def hidden_size(model) -> int | None:
+    """The model's hidden size, where the Hugging Face DeepSpeed integration reads it: the config's
+    `hidden_size` (T5 maps it to `d_model`), the largest of `hidden_sizes`, or the text config's."""
+    config = getattr(model, "config", None)
+    for holder in (config, getattr(config, "text_config", None)):
+        if holder is None:
+            continue
+        if getattr(holder, "hidden_size", None):
+            return int(holder.hidden_size)
+        if getattr(holder, "hidden_sizes", None):
+            return int(max(holder.hidden_sizes))
+    return None
+
+
+def hidden_size_fills(config, model) -> dict:
+    """The `"auto"` sizes that come from the model's hidden size h, as the Hugging Face DeepSpeed
+    integration fills them: `reduce_bucket_size` h*h (and `allgather_bucket_size`, which it leaves
+    alone, the same), `stage3_prefetch_bucket_size` 0.9*h*h, `stage3_param_persistence_threshold`
+    10*h. Explicit values as written; keys left out take their defaults."""
+    zero = (config.raw.get("zero_optimization") if config is not None and isinstance(config.raw, dict) else None) or {}
+    wanted = [k for k in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                          "stage3_param_persistence_threshold") if zero.get(k) == AUTO]  # fmt: skip
+    out = {"reduce_bucket_size": BUCKET_NUMEL, "allgather_bucket_size": BUCKET_NUMEL}
+    out |= {k: v for k, v in zero.items() if k in out or k.startswith("stage3_") and v != AUTO}
+    if not wanted:
+        return out
+    h = hidden_size(model)
+    if h is None:
+        raise ConfigError("offload config", [(f"$.zero_optimization.{wanted[0]}", (
+            f'"auto" comes from the model\'s hidden size, and {type(model).__name__}\'s config has neither '
+            "hidden_size nor hidden_sizes; write a number"))])  # fmt: skip
+    fills = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+             "stage3_param_persistence_threshold": 10 * h}  # fmt: skip
+    fills["allgather_bucket_size"] = out["reduce_bucket_size"] if zero.get("reduce_bucket_size") != AUTO else h * h
+    return out | {k: fills[k] for k in wanted}
 
 
 def loss_scaler_kwargs(config) -> dict:
@@ -98,4 +168,5 @@ def loss_scaler_kwargs(config) -> dict:
     if config.loss_scale > 0:
         return {"init_scale": config.loss_scale, "static": True}
     return {"init_scale": 2.0**config.initial_scale_power, "growth_interval": config.loss_scale_window,
-            "min_scale": config.min_loss_scale}  # fmt: skip
+            "min_scale": config.min_loss_scale, "hysteresis": config.hysteresis, "raise_error_at_min_scale": True,
+            "consecutive_hysteresis": config.consecutive_hysteresis}  # fmt: skip

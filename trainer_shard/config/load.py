@@ -12,15 +12,18 @@ only exception is ConfigError, and every value, key and number in its message is
 a 400-digit integer or a megabyte of string is named in a line, never pasted in whole.
 """
 
+import difflib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..constants import BUCKET_NUMEL
 from ..errors import ConfigError
 from .schema import AUTO, TOP, Key
+
+STAGE3_REFUSAL = ("stage 3 (parameter sharding) is not in this release; use stage 1 or 2 (the stage-3 keys, "
+                  "offload_param and stage3_*, are then ignored with a warning)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,8 @@ class OffloadConfig:
     nvme_path: str | None
     pin_memory: bool
     buffer_count: int
-    reduce_bucket_size: int
-    allgather_bucket_size: int
+    reduce_bucket_size: int | None  # None: "auto", hidden size squared once the model is known (apply.py)
+    allgather_bucket_size: int | None  # None: "auto", the reduce bucket's size
     overlap_comm: bool
     optimizer: dict | None  # {"type": ..., "params": {...}} or None: the Trainer's --optim
     scheduler: dict | None
@@ -52,14 +55,34 @@ class OffloadConfig:
     # device keys, offload_folder, dtype, no_split_module_classes, offload_buffers), or None
     inference: dict | None = None
     max_memory: dict | None = None  # the budget of --sharded_ddp auto, {device: bytes}
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    communication_data_type: str | None = None  # fp32 | bf16 | fp16 | None (the reducer's default)
+    # keys accepted but unused: ((json path, why), ...), each named in one warning line at start
+    ignored: tuple = ()
+    # keys accepted as what the engine does anyway: ((json path, what it does), ...)
+    given: tuple = ()
+    # ZeRO-3 keys present, ((json path, what they do), ...): ignored at the run's stage (stage_notes)
+    stage3_keys: tuple = ()
+
+    def with_notes(self, notes: list) -> "OffloadConfig":
+        """This config with more (role, path, why) notes, each path once."""
+
+        def merged(role, old):
+            return tuple((dict(old) | {path: why for r, path, why in notes if r == role}).items())
+
+        return replace(self, ignored=merged("ignored", self.ignored), given=merged("given", self.given),
+                       stage3_keys=merged("stage3", self.stage3_keys))  # fmt: skip
 
 
 def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
     """Load `path`; raise ConfigError listing every problem. See the module docstring."""
     source = str(path)
     data = _read_json(Path(path), source)
-    problems = []
-    tree = _check_object(data, TOP, "$", problems)
+    problems, notes = [], []
+    data = _old_forms(data, problems)
+    tree = _check_object(data, TOP, "$", problems, notes)
+    _precision_from_flags(tree, data)
     bad = {path for path, _ in problems}
     combination = []
     _cross_field(tree, world_size, combination)
@@ -72,14 +95,47 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
         if "inference" in data and getattr(training_args, "do_train", False):
             problems.append(("$.inference", "applies to evaluation and prediction without --do_train (the model is "
                              "loaded across devices and disk); train without it, then evaluate with it"))  # fmt: skip
+    if tree["zero_optimization"]["stage"] == 3:  # first, whatever else is wrong; its keys need no line of their own
+        problems = [("$.zero_optimization.stage", STAGE3_REFUSAL)] + [p for p in problems if p[1] != STAGE3_REFUSAL]
     if problems:
         raise ConfigError(source, problems)
-    config = _build(tree, data)
+    notes += _fp16_notes(tree, data)
+    config = _build(tree, data).with_notes(notes)
     if training_args is None:  # alone: its own stage; with the arguments, args.py checks the run's stage
         problems = stage_problems(config, None, world_size)
         if problems:
             raise ConfigError(source, problems)
+        config = config.with_notes(stage_notes(config, None, world_size))
     return config
+
+
+def _old_forms(data, problems: list):
+    """DeepSpeed's older spellings, read as the current ones: `"zero_optimization": true|false`
+    (stage 1 or 0) and a `bfloat16` section (`bf16`)."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    if isinstance(data.get("zero_optimization"), bool):
+        data["zero_optimization"] = {"stage": int(data["zero_optimization"])}
+        if "allgather_size" in data:
+            data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+    elif "allgather_size" in data:
+        problems.append(("$.allgather_size", "is the old form of zero_optimization.allgather_bucket_size, read only with "
+                         '"zero_optimization": true; write allgather_bucket_size there'))  # fmt: skip
+    if "bfloat16" in data:
+        if "bf16" in data:
+            problems.append(("$.bfloat16", "is the old name of bf16, and bf16 is there too; keep bf16"))
+        else:
+            data["bf16"] = data.pop("bfloat16")
+    return data
+
+
+def _precision_from_flags(tree: dict, data) -> None:
+    """No fp16 or bf16 section: the precision is the flags' (--fp16, --bf16), as with the Hugging
+    Face DeepSpeed integration, and never a conflict with a key the file does not have."""
+    for name in ("fp16", "bf16"):
+        if not isinstance(data, dict) or name not in data:
+            tree[name]["enabled"] = AUTO
 
 
 def _under(path: str, bad: set) -> bool:
@@ -149,27 +205,59 @@ def _object(pairs: list, duplicates: list) -> dict:
 # ---- per-key checks --------------------------------------------------------------------------
 
 
-def _check_object(value, spec: dict, path: str, problems: list) -> dict:
-    """Checked values with defaults filled in; problems appended as (path, message)."""
+def _check_object(value, spec: dict, path: str, problems: list, notes: list | None = None) -> dict:
+    """Checked values with defaults filled in; problems appended as (path, message), and the keys
+    accepted without effect as (role, path, why) to `notes` (see schema.py)."""
+    notes = [] if notes is None else notes
     if not isinstance(value, dict):
         problems.append((path, f"must be an object {{...}}, got {_describe(value)}"))
         return _check_object({}, spec, path, [])  # its defaults stand in
     out = {}
     unknown = [key for key in value if not isinstance(key, str) or key not in spec]
-    allowed = ", ".join(spec)
     if len(unknown) > MAX_UNKNOWN:
         names = ", ".join(_describe(key, 30) for key in unknown[:MAX_UNKNOWN])
-        problems.append((path, f"has {len(unknown)} unknown keys ({names}, ...); remove them; allowed here: "
-                         f"{allowed}"))  # fmt: skip
+        problems.append((path, f"has {len(unknown)} unknown keys ({names}, ...); remove them; {_allowed(spec)}"))
     else:
-        problems += [(_child(path, key), f"unknown key; allowed here: {allowed}") for key in unknown]
+        problems += [(_child(path, key), _unknown(key, spec)) for key in unknown]
     for key, key_spec in spec.items():
         child = f"{path}.{key}"
         if key not in value:
             out[key] = _check_object({}, key_spec.children, child, problems) if key_spec.kind == "object" else key_spec.default
             continue
-        out[key] = _check_value(value[key], key_spec, child, problems)
+        out[key] = _check_value(value[key], key_spec, child, problems, notes)
     return out
+
+
+def _allowed(spec: dict) -> str:
+    if len(spec) <= 12:
+        return f"allowed here: {', '.join(spec)}"
+    return "every key is listed in configs/README.md"
+
+
+def _unknown(key, spec: dict) -> str:
+    """`unknown key; did you mean ...?`: close names here, or where the name belongs elsewhere."""
+    message = "unknown key"
+    if isinstance(key, str) and len(key) <= 80:
+        close = difflib.get_close_matches(key, list(spec), n=3, cutoff=0.75)
+        if close:
+            message += f" (did you mean {' or '.join(close)}?)"
+        elsewhere = [p for p in _PATHS_BY_NAME.get(key, ()) if p.rsplit(".", 1)[0] != ""]
+        if elsewhere and not close:
+            message += f" here ({key} belongs at {' or '.join(f'$.{p}' for p in elsewhere[:3])})"
+    return f"{message}; {_allowed(spec)}"
+
+
+def _paths_by_name(spec: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, key_spec in spec.items():
+        path = f"{prefix}.{key}" if prefix else key
+        out.setdefault(key, []).append(path)
+        for name, paths in _paths_by_name(key_spec.children, path).items():
+            out.setdefault(name, []).extend(paths)
+    return out
+
+
+_PATHS_BY_NAME = _paths_by_name(TOP)
 
 
 def _child(path: str, key) -> str:
@@ -182,16 +270,25 @@ def _child(path: str, key) -> str:
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
-def _check_value(value, spec: Key, path: str, problems: list):
+def _check_value(value, spec: Key, path: str, problems: list, notes: list):
+    if spec.role in ("ignored", "stage3"):  # whether a stage-3 key is ignored depends on the stage
+        notes.append((spec.role, path, spec.help))
+        return value
+    if spec.role == "refused":
+        problems.append((path, spec.help))
+        return None
+    if spec.role == "given":
+        return _check_given(value, spec, path, problems, notes)
     if spec.kind == "object":  # "auto" included: an object's defaults stand in, never None
-        return _check_object(value, spec.children, path, problems)
+        return _check_object(value, spec.children, path, problems, notes)
     if value == AUTO and isinstance(value, str) and not spec.auto_is_a_value:
         if spec.auto:
             return AUTO
         problems.append((path, '"auto" is not allowed here; write a value'))
         return spec.default
     checker = {"bool": _as_bool, "int": _as_int, "float": _as_float, "str": _as_str, "choice": _as_choice,
-               "floats": _as_floats, "strs": _as_strs, "memory": _as_memory, "device_map": _as_device_map}[spec.kind]  # fmt: skip
+               "floats": _as_floats, "strs": _as_strs, "memory": _as_memory, "device_map": _as_device_map,
+               "any": _as_any}[spec.kind]  # fmt: skip
     try:
         checked = checker(value, spec)
     except ValueError as e:
@@ -200,6 +297,26 @@ def _check_value(value, spec: Key, path: str, problems: list):
     if spec.choices and spec.kind != "choice" and checked not in spec.choices:
         problems.append((path, f"must be {' or '.join(json.dumps(c) for c in spec.choices)}, got {_describe(value)}"))
     return checked
+
+
+def _check_given(value, spec: Key, path: str, problems: list, notes: list):
+    """A key accepted as what the engine does: any of `spec.choices`, else refused with the reason."""
+    if spec.kind != "any":
+        before = len(problems)
+        value = _check_value(value, replace(spec, role="effect", choices=()), path, problems, notes)
+        if len(problems) > before:
+            return spec.default
+    if _one_of(value, spec.choices):
+        notes.append(("given", path, spec.help))
+        return value
+    allowed = " or ".join(json.dumps(c) for c in spec.choices)
+    problems.append((path, f"must be {allowed}: {spec.help} (got {_describe(value)}); remove it or write {allowed}"))
+    return spec.default
+
+
+def _one_of(value, choices) -> bool:
+    """`value in choices`, where true is not 1 (JSON's booleans are not numbers)."""
+    return any(value == c and isinstance(value, bool) == isinstance(c, bool) for c in choices)
 
 
 def _describe(value, width: int = 60) -> str:
@@ -248,6 +365,10 @@ def _big_int(value: int) -> str:
         return f"an integer of about {int(value.bit_length() * 0.30103):,} digits"
     text = str(abs(value))
     return f"{'-' if value < 0 else ''}{text[:6]}... ({len(text):,} digits)"
+
+
+def _as_any(value, spec):
+    return value
 
 
 def _as_bool(value, spec):
@@ -396,8 +517,6 @@ def _cross_field(tree: dict, world_size: int, problems: list) -> None:
     offload = zero["offload_optimizer"]
     if zero["cpu_offload"] and offload["device"] not in ("none", "cpu"):
         problems.append(("$.zero_optimization.cpu_offload", f'contradicts offload_optimizer.device = "{offload["device"]}"; keep one'))
-    if zero["stage"] == 3:
-        problems.append(("$.zero_optimization.stage", "stage 3 (parameter sharding) is not in this release; use 1 or 2"))
     if offload["device"] == "nvme" and not offload["nvme_path"]:
         problems.append(("$.zero_optimization.offload_optimizer.nvme_path",
                          'device "nvme" needs nvme_path: the folder for the disk store'))  # fmt: skip
@@ -407,59 +526,79 @@ def _cross_field(tree: dict, world_size: int, problems: list) -> None:
     if tree["fp16"]["enabled"] is True and tree["bf16"]["enabled"] is True:
         problems.append(("$.fp16.enabled", "fp16 and bf16 are both enabled; enable one"))
     scheduler = tree["scheduler"]
-    if scheduler["type"] is None and any(v is not None for v in scheduler["params"].values() if v != "log"):
+    written = [k for k, v in scheduler["params"].items() if v != TOP["scheduler"].children["params"].children[k].default]
+    if scheduler["type"] is None and written:
         problems.append(("$.scheduler.type", "params without a type; name WarmupLR or WarmupDecayLR"))
+    if scheduler["type"] in ("WarmupCosineLR", "OneCycle", "LRRangeTest"):
+        problems.append(("$.scheduler.type", f"DeepSpeed's {scheduler['type']} is not here; use the Trainer's "
+                         "--lr_scheduler_type (cosine, linear, constant_with_warmup...) and remove the scheduler "
+                         "section"))  # fmt: skip
     optimizer = tree["optimizer"]
-    if optimizer["type"] == "SGD" and any(optimizer["params"].get(k) is not None for k in ("betas", "eps", "adam_w_mode")):
-        problems.append(("$.optimizer.params", "betas, eps and adam_w_mode are Adam arguments; SGD takes lr, momentum, "
-                         "weight_decay"))  # fmt: skip
-    if optimizer["type"] != "SGD" and optimizer["params"].get("momentum") is not None:
-        problems.append(("$.optimizer.params.momentum", f"is an SGD argument; {optimizer['type']} takes betas"))
-    if optimizer["type"] == "AdamW" and optimizer["params"].get("adam_w_mode") is False:
+    params = optimizer["params"]
+    adam_only = [k for k in ("betas", "eps", "adam_w_mode", "amsgrad") if params.get(k) is not None]
+    sgd_only = [k for k in ("momentum", "nesterov", "dampening") if params.get(k) is not None]
+    if optimizer["type"] == "SGD" and adam_only:
+        problems.append(("$.optimizer.params", f"{', '.join(adam_only)}: Adam arguments; SGD takes lr, momentum, "
+                         "nesterov, dampening, weight_decay"))  # fmt: skip
+    if optimizer["type"] != "SGD" and sgd_only:
+        problems.append((f"$.optimizer.params.{sgd_only[0]}", f"is an SGD argument; {optimizer['type']} takes betas"))
+    if optimizer["type"] == "AdamW" and params.get("adam_w_mode") is False:
         problems.append(("$.optimizer.params.adam_w_mode", 'false means L2 weight decay, which AdamW is not; use type "Adam"'))
-    _fp16_rules(tree, problems)
+
+
+def run_stage(config: "OffloadConfig", stage, world_size: int = 1):
+    """The ZeRO stage a run of `config` has: `stage` (from `--sharded_ddp`) when given, else the
+    config's own (offload on one process runs stage 2); None without sharding."""
+    if stage is None:
+        stage = config.stage or (2 if config.offload_device != "none" and world_size == 1 else None)
+    return stage
 
 
 def stage_problems(config: "OffloadConfig", stage, world_size: int = 1) -> list:
-    """Keys that mean something only at some ZeRO stages, refused where they would do nothing.
+    """What the run's ZeRO stage cannot do with this config. `stage` as for `run_stage`."""
+    if run_stage(config, stage, world_size) is None and config.offload_device != "none":
+        return [("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1 or 2 (or "
+                 "--sharded_ddp simple|zero_dp_2), so that each rank offloads its own shard")]  # fmt: skip
+    return []
 
-    `stage` is the run's stage from `--sharded_ddp`, or None to take the config's own.
-    """
-    if stage is None:
-        stage = config.stage or (2 if config.offload_device != "none" and world_size == 1 else None)
+
+def stage_notes(config: "OffloadConfig", stage, world_size: int = 1, precision: str | None = None) -> list:
+    """Keys that mean something only at other ZeRO stages: (role, path, why) notes, ignored with a
+    warning, as DeepSpeed ignores them. `stage` as for `run_stage`; `precision` the run's, if known."""
+    stage = run_stage(config, stage, world_size)
     zero = config.raw.get("zero_optimization", {}) if isinstance(config.raw, dict) else {}
-    problems = []
-    if stage is None and config.offload_device != "none":
-        problems.append(("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1 or 2 (or "
-                         "--sharded_ddp simple|zero_dp_2), so that each rank offloads its own shard"))  # fmt: skip
-    explicit = {k: zero[k] for k in ("reduce_bucket_size", "allgather_bucket_size") if _explicit(zero.get(k))}
-    if stage == 2 and len(explicit) == 2 and explicit["reduce_bucket_size"] != explicit["allgather_bucket_size"]:
-        problems.append(("$.zero_optimization.allgather_bucket_size",
-                         f"is {explicit['allgather_bucket_size']} but reduce_bucket_size is {explicit['reduce_bucket_size']}: "
-                         'stage 2 reduce-scatters and all-gathers the same buckets; make them equal (or "auto")'))  # fmt: skip
-    if stage == 1 and zero.get("overlap_comm") is False:
-        problems.append(("$.zero_optimization.overlap_comm",
-                         "false applies to stage 2; at stage 1 DDP reduces the gradients and always overlaps; remove it"))  # fmt: skip
+    at = f"stage {stage}" if stage else "a run without sharding (stage 0, no offload)"
+    notes = [("ignored", path, f"{why}; not used in {at}") for path, why in config.stage3_keys]
     if stage is None:
-        for key in explicit:
-            problems.append((f"$.zero_optimization.{key}", "means nothing without sharding (stage 0, no offload); "
-                             "remove it or set stage 1 or 2"))  # fmt: skip
-        if "overlap_comm" in zero:
-            problems.append(("$.zero_optimization.overlap_comm", "means nothing without sharding (stage 0, no offload); "
-                             "remove it or set stage 2"))  # fmt: skip
-    return problems
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm"):
+            if key in zero:
+                notes.append(("ignored", f"$.zero_optimization.{key}", f"applies to sharding; not used in {at}"))
+    if stage == 1 and zero.get("overlap_comm") is False:
+        notes.append(("ignored", "$.zero_optimization.overlap_comm", "false applies to stage 2; at stage 1 DDP "
+                      "reduces the gradients and always overlaps"))  # fmt: skip
+    gather, reduce = zero.get("allgather_bucket_size"), zero.get("reduce_bucket_size")
+    if stage == 2 and _explicit(gather) and gather != reduce:
+        notes.append(("ignored", "$.zero_optimization.allgather_bucket_size", "stage 2 all-gathers the buckets it "
+                      "reduced, of reduce_bucket_size elements"))  # fmt: skip
+    fp16 = [k for k in TOP["fp16"].children if k != "enabled" and k in config.raw.get("fp16", {})]
+    if stage is None and fp16 and (precision == "fp16" or config.precision == "fp16"):
+        notes.append(("ignored", "$.fp16", f"{', '.join(fp16)}: DeepSpeed's loss scaling is the sharded optimizer's; "
+                      f"in {at} the Trainer's GradScaler scales the loss (torch's defaults)"))  # fmt: skip
+    return notes
 
 
 def _explicit(value) -> bool:
     return value is not None and value != AUTO
 
 
-def _fp16_rules(tree: dict, problems: list) -> None:
-    fp16 = tree["fp16"]
-    if fp16["enabled"] is False:
-        changed = [k for k, spec in TOP["fp16"].children.items() if k != "enabled" and fp16[k] != spec.default]
-        for key in changed:
-            problems.append((f"$.fp16.{key}", "is a loss-scale setting but fp16 is not enabled; remove it or enable fp16"))
+def _fp16_notes(tree: dict, data) -> list:
+    """A fp16 section whose settings go unused: fp16 is off (written so, or "auto" in a run
+    without --fp16)."""
+    section = data.get("fp16") if isinstance(data, dict) else None
+    settings = [k for k in (section or {}) if k != "enabled" and k in TOP["fp16"].children]
+    if tree["fp16"]["enabled"] is False and settings:
+        return [("ignored", "$.fp16", f"{', '.join(settings)}: loss-scale settings, and fp16 is off in this run")]
+    return []
 
 
 def _against_training_args(tree: dict, args, world_size: int, problems: list) -> None:
@@ -479,21 +618,32 @@ def _against_training_args(tree: dict, args, world_size: int, problems: list) ->
         ("$.optimizer.params.eps", tree["optimizer"]["params"], "eps", args.adam_epsilon, "--adam_epsilon"),
         ("$.optimizer.params.weight_decay", tree["optimizer"]["params"], "weight_decay", args.weight_decay, "--weight_decay"),
         ("$.scheduler.params.warmup_max_lr", tree["scheduler"]["params"], "warmup_max_lr", args.learning_rate, "--learning_rate"),
-        ("$.scheduler.params.warmup_num_steps", tree["scheduler"]["params"], "warmup_num_steps", args.warmup_steps, "--warmup_steps"),
+        ("$.checkpoint.use_node_local_storage", tree["checkpoint"], "use_node_local_storage",
+         bool(getattr(args, "save_on_each_node", False)), "--save_on_each_node"),
     ]  # fmt: skip
+    # "auto", and any value against a ratio of the training steps, are resolved when the steps are known (apply.py)
+    if not warmup_is_ratio(args) and tree["scheduler"]["params"]["warmup_num_steps"] != AUTO:
+        pairs.append(("$.scheduler.params.warmup_num_steps", tree["scheduler"]["params"], "warmup_num_steps",
+                      int(args.warmup_steps), "--warmup_steps"))  # fmt: skip
     for path, holder, key, theirs, flag in pairs:
         mine = holder[key]
         if mine == AUTO:
             holder[key] = theirs
         elif mine is not None and _differs(mine, theirs) and not _unset_flag(flag, theirs):
             problems.append((path, f"is {_describe(mine)} but {flag} is {_describe(theirs)}; make them agree, or write \"auto\""))
-    for key in ("reduce_bucket_size", "allgather_bucket_size"):
-        if tree["zero_optimization"][key] == AUTO:
-            tree["zero_optimization"][key] = BUCKET_NUMEL
+    if tree["fp16"]["enabled"] is True and tree["bf16"]["enabled"] is True:  # one from the file, one from a flag
+        written = "fp16" if tree["bf16"]["enabled"] is True and args.bf16 else "bf16"
+        problems.append((f"$.{written}.enabled", f"is true but the run asks for --{'bf16' if written == 'fp16' else 'fp16'}; "
+                         f"enable one: drop the flag, or set {written}.enabled to \"auto\""))  # fmt: skip
     if tree["scheduler"]["params"]["warmup_min_lr"] == AUTO:
         tree["scheduler"]["params"]["warmup_min_lr"] = 0.0
-    if tree["scheduler"]["params"]["total_num_steps"] == AUTO:
-        tree["scheduler"]["params"]["total_num_steps"] = args.max_steps if args.max_steps > 0 else None
+
+
+def warmup_is_ratio(args) -> bool:
+    """Whether the run's warmup is a ratio of its training steps: `--warmup_steps` below 1 (as in
+    transformers 5), or `--warmup_ratio` where the TrainingArguments still have it."""
+    steps = getattr(args, "warmup_steps", 0) or 0
+    return 0 < steps < 1 or (steps == 0 and (getattr(args, "warmup_ratio", 0) or 0) > 0)
 
 
 def _differs(a, b) -> bool:
@@ -520,10 +670,13 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
     def concrete(value):
         return None if value == AUTO else value
 
+    def bucket(key):
+        return None if zero[key] == AUTO else zero[key]
+
     return OffloadConfig(
         stage=zero["stage"], offload_device=device, nvme_path=offload["nvme_path"], pin_memory=offload["pin_memory"],
-        buffer_count=offload["buffer_count"], reduce_bucket_size=concrete(zero["reduce_bucket_size"]) or BUCKET_NUMEL,
-        allgather_bucket_size=concrete(zero["allgather_bucket_size"]) or BUCKET_NUMEL, overlap_comm=zero["overlap_comm"],
+        buffer_count=offload["buffer_count"], reduce_bucket_size=bucket("reduce_bucket_size"),
+        allgather_bucket_size=bucket("allgather_bucket_size"), overlap_comm=zero["overlap_comm"],
         optimizer=sections["optimizer"], scheduler=sections["scheduler"],
         gradient_clipping=concrete(tree["gradient_clipping"]), precision=precision,
         loss_scale=fp16["loss_scale"], initial_scale_power=fp16["initial_scale_power"],
@@ -533,5 +686,6 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         gradient_accumulation_steps=concrete(tree["gradient_accumulation_steps"]),
         train_batch_size=concrete(tree["train_batch_size"]), raw=raw,
         inference=dict(tree["inference"]) if isinstance(raw, dict) and "inference" in raw else None,
-        max_memory=tree["max_memory"],
+        max_memory=tree["max_memory"], hysteresis=fp16["hysteresis"],
+        consecutive_hysteresis=fp16["consecutive_hysteresis"], communication_data_type=tree["communication_data_type"],
     )  # fmt: skip

@@ -15,12 +15,14 @@ from ..errors import ArgumentError
 from ..sharding import DynamicLossScaler, ShardedOptimizer
 
 
-def bucket_numel(config, stage) -> int:
+def bucket_numel(config, stage, model=None) -> int:
     """Elements a gradient bucket: the config's `reduce_bucket_size` (ZeRO-2, reduce-scattered by
-    the optimizer) or `allgather_bucket_size` (ZeRO-1), else the default."""
+    the optimizer) or `allgather_bucket_size` (ZeRO-1), else the default; `"auto"` from `model`'s
+    hidden size (config/apply.py)."""
     if config is None:
         return BUCKET_NUMEL
-    return config.reduce_bucket_size if stage == 2 else config.allgather_bucket_size
+    sizes = config_apply.hidden_size_fills(config, model)
+    return sizes["reduce_bucket_size"] if stage == 2 else sizes["allgather_bucket_size"]
 
 
 def cast_for_mixed_precision(model, args) -> None:
@@ -30,15 +32,17 @@ def cast_for_mixed_precision(model, args) -> None:
         model.to(dtype)
 
 
-def wrap(plain: torch.optim.Optimizer, stage: int, spec, args, config) -> ShardedOptimizer:
+def wrap(plain: torch.optim.Optimizer, stage: int, spec, args, config, model=None) -> ShardedOptimizer:
     """`plain` sharded at `stage` with offload `spec`, as the flags and the config say: the fp16
-    loss scaler (the config's `fp16` section), `overlap_comm`, bucket size, gradient dtype."""
+    loss scaler (the config's `fp16` section), `overlap_comm`, bucket size, gradient and
+    communication dtypes. `model` gives the hidden size `"auto"` bucket sizes come from."""
     scaler = DynamicLossScaler(**config_apply.loss_scaler_kwargs(config)) if args.fp16 else None
     overlap = config.overlap_comm if config is not None else True
     accum = config.grad_accum_dtype if config is not None else None
+    reduce = config.communication_data_type if config is not None and stage == 2 else None
     return ShardedOptimizer.wrap(
-        plain, stage=stage, loss_scaler=scaler, offload=spec, bucket_numel=bucket_numel(config, stage),
-        overlap_comm=overlap, grad_dtype=dtypes.DTYPES.get(accum),
+        plain, stage=stage, loss_scaler=scaler, offload=spec, bucket_numel=bucket_numel(config, stage, model),
+        overlap_comm=overlap, grad_dtype=dtypes.DTYPES.get(accum), reduce_dtype=dtypes.DTYPES.get(reduce),
     )  # fmt: skip
 
 
