@@ -322,6 +322,8 @@ TOP = {
     "communication_data_type": Key("choice", "stage 2: the dtype gradient buckets are summed over ranks in (default: "
                                    "the training dtype up to 8 ranks, fp32 beyond); stage 1 sums in the training dtype",
                                    None, choices=PRECISIONS),
+    "allgather_size": Key("int", 'old form of zero_optimization.allgather_bucket_size, read with "zero_optimization": '
+                          "true or false", minimum=1),
     "train_micro_batch_size_per_gpu": Key("int", "= --per_device_train_batch_size", auto=True, minimum=1),
     "gradient_accumulation_steps": Key("int", "= --gradient_accumulation_steps", auto=True, minimum=1),
     "train_batch_size": Key("int", "= micro batch x accumulation x world size", auto=True, minimum=1),
