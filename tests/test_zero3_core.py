@@ -187,7 +187,7 @@ def test_only_running_units_are_gathered():
     """During forward and backward: the root, the running block and at most one prefetched one."""
     model = make_t5()
     sharded = shard_model(model, units=[T5Block], persistence_threshold=THRESHOLD)
-    root, blocks = sharded.units[-1], sharded.units[:-1]
+    blocks = sharded.units[:-1]  # the root is last
     seen = []
 
     def record(*_):

@@ -2,10 +2,13 @@
 
     config = load_config("configs/offload_cpu.json", training_args=args, world_size=2)
 
-Checks, in one pass: JSON syntax (with line and column), unknown keys (with the allowed ones),
-types, ranges, "auto" where it is not allowed, cross-field rules (nvme needs nvme_path, offload
-needs stage >= 1 or one process...), and, given TrainingArguments, "auto" filled from them and
-every explicit value that contradicts them, reported with both values.
+Checks, in one pass: JSON syntax (with line and column), unknown keys (with close names),
+types, ranges, "auto" where it is not allowed, each key's decision (schema.py: a value that
+contradicts what the engine does, or a setting that cannot be honoured, is a problem; ignored
+keys are collected for one warning line each), cross-field rules (nvme needs nvme_path, offload
+needs stage >= 1 or one process...), and, given TrainingArguments, "auto" filled from them as the
+Hugging Face DeepSpeed integration fills it and every explicit value that contradicts them,
+reported with both values. Stage 3 is always the first problem (not in this release).
 
 Hostile input gets the same treatment (tests/faults/test_input_fuzz.py): whatever the bytes, the
 only exception is ConfigError, and every value, key and number in its message is abbreviated, so
@@ -16,7 +19,7 @@ import difflib
 import json
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
