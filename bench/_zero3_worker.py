@@ -10,7 +10,6 @@ Writes RESULT_DIR/rankR.json.
 """
 
 import json
-import os
 import resource
 import sys
 import time
@@ -30,6 +29,17 @@ ARCH = {  # the t5-small / t5-base architectures (Raffel et al., the hub configs
     "tiny": dict(d_model=64, d_ff=128, num_layers=2, num_heads=2, d_kv=32),  # smoke tests of the bench itself
 }
 
+
+def clipped_step(model, opt):
+    """backward, clip by the global norm (torch's), step, zero: the DDP and FSDP2 rows' step."""
+
+    def step(loss):
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+
+    return step
 
 def status_bytes(key: str) -> int:
     """VmHWM / VmRSS from /proc/self/status, in bytes (ru_maxrss where /proc is missing)."""
@@ -83,11 +93,7 @@ def setup(row: str, model):
         module = DDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
 
-        def step(loss):
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad()
+        step = clipped_step(model, opt)
 
         def param_bytes():
             return {"total": sum(nbytes(p) for p in model.parameters())}
@@ -142,11 +148,7 @@ def setup(row: str, model):
             notes["optimizer"] = f"fused AdamW refused ({type(e).__name__}: {e}); default AdamW"
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
-        def step(loss):
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            opt.step()
-            opt.zero_grad()
+        step = clipped_step(model, opt)
 
         def param_bytes():
             return {"total": sum(nbytes(p.to_local() if hasattr(p, "to_local") else p) for p in model.parameters())}

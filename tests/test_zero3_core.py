@@ -136,6 +136,19 @@ def check_eval_and_generate(model, sharded, want):
     assert torch.equal(gen, plain.generate(input_ids=inputs[:2], max_new_tokens=4, do_sample=False))
 
 
+def train_checking_norms(model, sharded, want_norms):
+    """STEPS steps of the plain loop: each step's clipped norm as the reference's, nothing left
+    gathered between backward and step."""
+    opt = optimizer(sharded.shard_parameters())
+    for step in range(STEPS):
+        inputs, labels = batch(step)
+        model(input_ids=inputs, labels=labels).loss.backward()
+        assert float(sharded.clip_grad_norm_(CLIP)) == pytest.approx(want_norms[step], rel=1e-5)
+        assert sharded.held_parameter_bytes()["gathered"] == 0
+        opt.step()
+        opt.zero_grad()
+
+
 def test_one_process_matches_plain_adamw():
     """World size 1 (no process group): the hooks, gather/free and the step still hold."""
     check_parity(0, 1, [([T5Block], False), (None, False), ([T5Block], True)], refs())
@@ -221,14 +234,7 @@ def test_gradient_checkpointing_matches_plain_adamw(reentrant, unit_class):
     for module in model.modules():
         if isinstance(module, T5LayerFF):
             module.register_forward_pre_hook(lambda *_: runs.append(1))
-    opt = optimizer(sharded.shard_parameters())
-    for step in range(STEPS):
-        inputs, labels = batch(step)
-        model(input_ids=inputs, labels=labels).loss.backward()
-        assert float(sharded.clip_grad_norm_(CLIP)) == pytest.approx(want_norms[step], rel=1e-5)
-        assert sharded.held_parameter_bytes()["gathered"] == 0
-        opt.step()
-        opt.zero_grad()
+    train_checking_norms(model, sharded, want_norms)
     assert len(runs) == STEPS * 4 * 2  # every feed-forward ran again in backward
     assert_close_states(sharded.full_state_dict(), want)
 
@@ -297,14 +303,7 @@ def test_nested_units_and_module_instances(units):
     chosen = [T5Stack, T5Block] if units == "stacks-and-blocks" else [model.encoder.block[1], model.decoder]
     sharded = shard_model(model, units=chosen, persistence_threshold=0)
     assert not sharded.persistent
-    opt = optimizer(sharded.shard_parameters())
-    for step in range(STEPS):
-        inputs, labels = batch(step)
-        model(input_ids=inputs, labels=labels).loss.backward()
-        assert float(sharded.clip_grad_norm_(CLIP)) == pytest.approx(want_norms[step], rel=1e-5)
-        assert sharded.held_parameter_bytes()["gathered"] == 0
-        opt.step()
-        opt.zero_grad()
+    train_checking_norms(model, sharded, want_norms)
     assert_close_states(sharded.full_state_dict(), want)
 
 
