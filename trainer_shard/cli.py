@@ -73,8 +73,7 @@ def effective_settings(config, world_size: int) -> list:
     lines.append(f"gradient clipping: {value(config.gradient_clipping, '--max_grad_norm')}")
     if stage is not None:
         bucket = config.reduce_bucket_size if stage == 2 else config.allgather_bucket_size
-        lines.append(f"bucket: {value(bucket, 'hidden size squared') if isinstance(bucket, str) or bucket is None else f'{bucket:,}'} "
-                     "elements")  # fmt: skip
+        lines.append(f"bucket: {'auto (hidden size squared)' if bucket is None else f'{bucket:,}'} elements")
         lines.append(f"overlap_comm: {str(config.overlap_comm).lower()}")
     if config.precision in ("fp16", "auto"):
         scale = (f"static {config.loss_scale:g}" if config.loss_scale > 0 else

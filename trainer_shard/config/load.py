@@ -99,7 +99,7 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
             problems.append(("$.inference", "applies to evaluation and prediction without --do_train (the model is "
                              "loaded across devices and disk); train without it, then evaluate with it"))  # fmt: skip
     if tree["zero_optimization"]["stage"] == 3:  # first, whatever else is wrong; its keys need no line of their own
-        problems = [("$.zero_optimization.stage", STAGE3_REFUSAL)] + [p for p in problems if p[1] != STAGE3_REFUSAL]
+        problems = [("$.zero_optimization.stage", STAGE3_REFUSAL), *problems]
     if problems:
         raise ConfigError(source, problems)
     notes += _fp16_notes(tree, data)
