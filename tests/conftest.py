@@ -79,3 +79,19 @@ def free_port() -> int:
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+
+
+# The longest files first. `make test` runs with --dist loadfile: each file is one unit of work,
+# handed out in collection order, so a long file collected last would leave one worker running
+# alone at the end. The order follows the slowest tests `--durations` reported in a full run (the
+# README's commands, whose sandbox is a 2-rank demo run; the planner's measured peaks; then the
+# multi-process checkpoint, launcher and fault files).
+HEAVY_FIRST = ["test_readme_commands.py", "test_planner.py", "test_checkpoint_resume.py", "test_rank_faults.py",
+               "test_sharded_trainer.py", "test_end_to_end.py", "test_inference.py", "test_launchers.py",
+               "test_offload_trainer.py", "test_multinode_checkpoint.py", "test_interrupt.py",
+               "test_deepspeed_configs.py", "test_optimizer_shards.py"]  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(HEAVY_FIRST)))  # stable: the rest as collected
