@@ -77,7 +77,9 @@ def _store_clients_closed(rank):
     deadline = time.monotonic() + 5  # (rank 0 hosts the store: its end of a connection closes once it sees it)
     while sockets() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sockets() == before, (rank, before, sockets())  # ...but not its connection to the store
+    # ...but not its connection to the store. Fewer than before is no leak: rank 0's end of an
+    # earlier watch's connection can close late, once the store sees it gone (seen on a busy machine)
+    assert sockets() <= before, (rank, before, sockets())
 
 
 def test_the_fault_watch_closes_its_store_client_when_it_stops():
