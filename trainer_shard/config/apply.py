@@ -143,12 +143,11 @@ def hidden_size_fills(config, model) -> dict:
     alone, the same), `stage3_prefetch_bucket_size` 0.9*h*h, `stage3_param_persistence_threshold`
     10*h. Explicit values as written; keys left out take their defaults."""
     zero = (config.raw.get("zero_optimization") if config is not None and isinstance(config.raw, dict) else None) or {}
-    wanted = [k for k in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
-                          "stage3_param_persistence_threshold") if zero.get(k) == AUTO]  # fmt: skip
-    out = {"reduce_bucket_size": BUCKET_NUMEL, "allgather_bucket_size": BUCKET_NUMEL}
-    out |= {k: v for k, v in zero.items() if k in out or k.startswith("stage3_") and v != AUTO}
+    sizes = {"reduce_bucket_size": BUCKET_NUMEL, "allgather_bucket_size": BUCKET_NUMEL}
+    sizes |= {k: v for k, v in zero.items() if k in HIDDEN_SIZE_KEYS and v != AUTO}  # explicit: as written
+    wanted = [k for k in HIDDEN_SIZE_KEYS if zero.get(k) == AUTO]
     if not wanted:
-        return out
+        return sizes
     h = hidden_size(model)
     if h is None:
         raise ConfigError("offload config", [(f"$.zero_optimization.{wanted[0]}", (
@@ -156,8 +155,14 @@ def hidden_size_fills(config, model) -> dict:
             "hidden_size nor hidden_sizes; write a number"))])  # fmt: skip
     fills = {"reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
              "stage3_param_persistence_threshold": 10 * h}  # fmt: skip
-    fills["allgather_bucket_size"] = out["reduce_bucket_size"] if zero.get("reduce_bucket_size") != AUTO else h * h
-    return out | {k: fills[k] for k in wanted}
+    sizes |= {k: fills[k] for k in wanted if k in fills}
+    if "allgather_bucket_size" in wanted:  # the reduce bucket's size, filled or written
+        sizes["allgather_bucket_size"] = sizes["reduce_bucket_size"]
+    return sizes
+
+
+HIDDEN_SIZE_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+                    "stage3_param_persistence_threshold")  # fmt: skip
 
 
 def loss_scaler_kwargs(config) -> dict:
