@@ -179,7 +179,9 @@ def log_notes(config, path) -> None:
 
 
 def stage_from_options(options):
-    """The ZeRO stage `--sharded_ddp` asks for: 2 (zero_dp_2), 1 (simple) or None."""
+    """The ZeRO stage `--sharded_ddp` asks for: 3 (zero_dp_3), 2 (zero_dp_2), 1 (simple) or None."""
+    if ShardedDDPOption.ZERO_DP_3 in options:
+        return 3
     if ShardedDDPOption.ZERO_DP_2 in options:
         return 2
     if ShardedDDPOption.SIMPLE in options:
