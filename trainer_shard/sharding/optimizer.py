@@ -4,6 +4,8 @@
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
     # or, ZeRO-2: no DDP; gradients reduce-scattered by hooks as backward runs
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2, lr=1e-3)
+    # or, ZeRO-3: the parameters sharded first, unit by unit (zero3.shard_model)
+    shard_model(model, units=[T5Block]); opt = ShardedOptimizer(model.parameters(), optim=..., stage=3)
     loss.backward(); opt.clip_grad_norm(1.0); opt.step(); opt.zero_grad()
 
 Each rank steps only its shard of every parameter group: fp32 master weights, fp32 gradients
@@ -81,7 +83,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params: tensors or param-group dicts, as for any torch optimizer.
         optim: the optimizer class to shard (`optimizer_class=` is an alias).
         group: the process group (default: the world).
-        stage: 1 (optimizer state sharded) or 2 (gradients too).
+        stage: 1 (optimizer state sharded), 2 (gradients too) or 3 (parameters too: the
+            parameters must come from a model `zero3.shard_model` sharded, whose flat buffers
+            and gradient reduction the optimizer takes as they are; see [Note: ZeRO-3 flats]).
         bucket_numel: elements per communication bucket.
         loss_scaler: a `DynamicLossScaler` for fp16 (or True for the default one).
         offload: an `OffloadSpec`: master weights and optimizer state in CPU RAM or on disk.
@@ -101,8 +105,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  assume_elementwise: bool = False, overlap_comm: bool = True, grad_dtype=None, reduce_dtype=None,
                  **defaults):  # fmt: skip
         self.optim_class = _resolve_class(optim, optimizer_class, assume_elementwise)
-        if stage not in (1, 2):
-            raise ShardingError(f"stage must be 1 (ZeRO-1) or 2 (ZeRO-2), got {stage!r}")
+        if stage not in (1, 2, 3):
+            raise ShardingError(f"stage must be 1 (ZeRO-1), 2 (ZeRO-2) or 3 (ZeRO-3), got {stage!r}")
         if reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ShardingError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float16, not {reduce_dtype}")
         self.stage = stage
@@ -110,6 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.rank, self.world_size = comm.rank_and_size(group)
         self.bucket_numel = int(bucket_numel)
         self.loss_scaler = DynamicLossScaler() if loss_scaler is True else (loss_scaler or None)
+        self.sharded_model = None  # stage 3: the zero3.ShardedModel whose flats this steps
         self.flats = []  # FlatGroups; `_flat_owner[i]` is the param group of flats[i]
         self._flat_owner = []
         self._flattened = set()  # the parameters in some flat; the others wait: [Note: trainability]
@@ -123,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.offload = offload
         self.grad_dtype = grad_dtype
         self._take_over([p for g in self.param_groups for p in g["params"]])
-        if self.reducer is not None:  # hooks go with the optimizer, even one never closed
+        if self.reducer is not None and stage == 2:  # hooks go with the optimizer, even one never closed
             weakref.finalize(self, GradReducer.close, self.reducer)
         # where the masters and the state live, and who steps them: see stepper.py
         self.stepper: Stepper
@@ -186,6 +191,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if params is None:
             params = [p for p in self.param_groups[index]["params"] if p.requires_grad]
         _check_same_everywhere(index, params, self.group)
+        if self.stage == 3:
+            params = self._adopt_zero3_flats(index, params)
+            if not params:
+                return
         self._flattened.update(params)
         by_kind = defaultdict(list)
         for p in params:
@@ -206,8 +215,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.flats.append(flat)
             self._flat_owner.append(index)
             self.stepper.add(flat, self._hyperparameters(len(self.flats) - 1))
-            if self.reducer is not None:
+            if self.reducer is not None and self.stage == 2:
                 self.reducer.add(flat)
+
+    def _adopt_zero3_flats(self, index: int, params: list) -> list:
+        """[Note: ZeRO-3 flats] At stage 3 the flat buffers are the sharded model's own
+        (`zero3.FlatParams`: one per unit and param-group key), and so is the gradient reduction:
+        each is stepped here as a `FlatGroup` would be, its shard standing for this rank's slice
+        of the buffer, and nothing is all-gathered after the step (the next forward gathers). The
+        parameters the model keeps whole (persistent: small or frozen ones), their gradients
+        all-reduced by the model, are flattened here as at stage 1. Returns those."""
+        from .zero3 import sharded_part
+
+        found = [sharded_part(p) for p in params]
+        if any(f is None for f in found):
+            raise ShardingError("stage=3 steps the parameters of a model zero3.shard_model sharded; shard the model "
+                                "first (shard_model(model, ...)), then build the optimizer on its parameters")  # fmt: skip
+        models = {id(f[0]): f[0] for f in found}
+        if len(models) > 1:
+            raise ShardingError("stage=3: the parameters come from several sharded models; one optimizer per model")
+        sharded = next(iter(models.values()), None)
+        if sharded is not None:
+            if sharded.world_size != self.world_size:
+                raise ShardingError(f"stage=3: the model is sharded over {sharded.world_size} ranks, the optimizer's "
+                                    f"group has {self.world_size}; use the same process group")  # fmt: skip
+            self.sharded_model = sharded
+            self.reducer = sharded.reducer
+        ours = set(params)
+        parts = list({id(f[1]): f[1] for f in found if f[1] is not None}.values())
+        for part in parts:
+            outside = [n for p, n in zip(part.params, part.names) if p not in ours]
+            if outside:
+                raise ShardingError(f"stage=3: param group {index} holds some of the parameters of one flat buffer and "
+                                    f"not {outside[:3]}; shard the model with a group_fn that gives every param "
+                                    "group its own key, so no flat buffer spans two groups")  # fmt: skip
+            part.configure(self.offload is not None, self.grad_dtype)
+            self._flattened.update(part.params)
+            self.flats.append(part)
+            self._flat_owner.append(index)
+            self.stepper.add(part, self._hyperparameters(len(self.flats) - 1))
+        return [p for p, f in zip(params, found) if f[1] is None]
 
     def _hyperparameters(self, flat_index: int) -> dict:
         """The outer group's settings (lr as the scheduler left it, weight_decay...) for flats[i]."""
@@ -227,6 +274,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         ready = [(i, [p for p in params if p.requires_grad]) for i, params in waiting]
         ready = [(i, params) for i, params in ready if params]
+        if ready and self.stage == 3:
+            raise ShardingError("stage=3: parameters frozen when the model was sharded require grad now; the sharded "
+                                "model keeps them whole and never reduces their gradients: set requires_grad before "
+                                "shard_model")  # fmt: skip
         count = sum(len(params) for _, params in ready)
         counts = torch.tensor([count, -count], device=self._device())
         most, fewest = comm.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=self.group).tolist()
@@ -279,7 +330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.reducer.finish()
         self._adopt_newly_trainable()
         for flat in self.flats:
-            if self.stage == 1:
+            if self.stage == 1 or (self.stage == 3 and isinstance(flat, FlatGroup)):
                 flat.copy_grads_to_shard()
             else:
                 flat.zero_stale()  # buckets no backward has reduced into since the last step
@@ -690,7 +741,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.closed:
             return
         self.closed, self._closed_why = True, why
-        if self.reducer is not None:
+        if self.reducer is not None and self.stage == 2:  # at stage 3 it is the sharded model's
             self.reducer.close()
         stepper = getattr(self, "stepper", None)  # None when the constructor failed before building it
         if stepper is not None:

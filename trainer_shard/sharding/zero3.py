@@ -146,14 +146,17 @@ class FlatParams:
         # one bucket: the unit's gradients are reduced once its backward is done
         self.layout = plan_layout(numels, world_size, bucket_numel=sum(numels), order=range(len(params)))
         self.bucket = self.layout.buckets[0]
+        self.segments = self.layout.segments(rank)
         first = params[0]
         self.buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
         with torch.no_grad():
             for p, slot in zip(params, self.layout.slots):
                 self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self.buffer[slot.offset : slot.offset + slot.numel].view(p.shape)
+            comm.broadcast(self.buffer, 0, group)  # every rank starts from rank 0's weights
             self.shard = self.buffer[slice(*self.bucket.slice_range(rank))].clone()
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
+        self.offloaded = False
         if first.dtype == torch.float32:
             self.master = None
             self.shard_param = torch.nn.Parameter(self.shard)  # shares the shard's storage
@@ -162,7 +165,9 @@ class FlatParams:
             self.shard_param = torch.nn.Parameter(self.master)
         self._master_version = self.shard_param._version
         self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=first.device)
-        self.stale = True  # the gradient shard holds nothing of this step yet (counts as zero)
+        self.stale = {0}  # the gradient shard holds nothing of this step yet (counts as zero)
+        self.accumulated = False  # a second backward added into it before the step
+        self.edited = False  # weights written through `ShardedModel.gathered(writeback=True)`
         self.buffer.untyped_storage().resize_(0)  # from now on its memory comes from the pool
         self.slot, self.attached = None, False  # the pool's token while the buffer has memory
         self.pending = None  # the handle of an asynchronous gather in flight
@@ -175,17 +180,82 @@ class FlatParams:
     @torch.no_grad()
     def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
         """The gradient shard += alpha * values (= when stale: after `zero_grad`, or never written)."""
-        if self.shard_param.grad is None:  # the optimizer's zero_grad(set_to_none=True)
+        if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
             self.shard_param.grad = self.grad
-            self.stale = True
+            self.stale = {0}
         target = self.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
         if self.stale:
             target.copy_(values)
             if alpha != 1.0:
                 target.mul_(alpha)
-            self.stale = False
+            self.stale = set()
         else:
             target.add_(values, alpha=alpha)
+            self.accumulated = True
+
+    # -- what `ShardedOptimizer(stage=3)` and its steppers use of a flat (as of `flat.FlatGroup`):
+    # the shard stands where FlatGroup has this rank's slice of the buffer, and nothing is
+    # all-gathered after the step (the next forward gathers).
+    def configure(self, offloaded: bool, grad_dtype=None) -> None:
+        """For `ShardedOptimizer`: with `offloaded` the fp32 master lives in the offload store (no
+        copy here) and the gradient shard is kept in `grad_dtype` (default: the parameters')."""
+        self.offloaded = offloaded
+        dtype = grad_dtype or (self.dtype if offloaded else torch.float32)
+        if offloaded:
+            self.master = None
+            self.shard_param.grad = None
+        if dtype != self.grad.dtype:
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.grad.device)
+        if not offloaded:
+            self.shard_param.grad = self.grad
+
+    @property
+    def master_views(self) -> list:
+        return [] if self.offloaded else [self.shard_param]
+
+    @property
+    def separate_master(self) -> bool:
+        return self.master is not None or self.offloaded
+
+    @torch.no_grad()
+    def write_shard(self, start: int, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """This rank's parameters, shard elements [start, start + len(values)) <- `values` (cast)."""
+        self.shard[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
+
+    @torch.no_grad()
+    def read_shard(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.shard[start : start + out.numel()])
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Master <- the shard (weights loaded into the model)."""
+        if self.master is not None:
+            self.master.copy_(self.shard)
+        self._master_version = self.shard_param._version
+
+    def follow_outside_edits(self) -> bool:
+        """True when weights were loaded since the last look and the master is elsewhere."""
+        return self.separate_master and self.edited
+
+    def mark_seen(self) -> None:
+        self.edited = False
+
+    def mark_grads_stale(self) -> None:
+        self.stale = {0}
+
+    @torch.no_grad()
+    def zero_stale(self) -> None:
+        if self.stale:
+            self.grad.zero_()
+        self.stale = set()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """After the step: the fp32 master cast into the shard (offloaded: the engine wrote it).
+        Not collective: the next forward gathers."""
+        if self.master is not None:
+            self.shard.copy_(self.master)
+            self._master_version = self.shard_param._version
 
     # -- see [Note: free and re-gather]
     def start_gather(self) -> None:
@@ -223,6 +293,7 @@ class FlatParams:
         if self.master is not None:
             self.master.copy_(self.shard)
             self._master_version = self.shard_param._version
+        self.edited = True
 
     @property
     def shard_bytes(self) -> int:
@@ -235,6 +306,7 @@ class Unit:
     def __init__(self, module, parts: list, all_trainable: bool):
         self.module, self.parts, self.all_trainable = module, parts, all_trainable
         self.params = [p for part in parts for p in part.params]
+        self.numel = sum(p.numel() for p in self.params)
         self.holds = 0  # `ShardedModel.gathered` blocks (and wrapped methods) holding it
         self.for_backward = False
         self.grads_seen = 0
@@ -261,9 +333,10 @@ class Unit:
 class ShardedModel:
     """The ZeRO-3 state of a model; see the module docstring. Built by `shard_model`."""
 
-    def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch: bool,
-                 group_fn=None, gather_pool: bool = True):  # fmt: skip
+    def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch,
+                 group_fn=None, gather_pool: bool = True, reduce_dtype=None):  # fmt: skip
         self.model, self.group, self.prefetch = model, group, prefetch
+        self.reduce_dtype = reduce_dtype
         self.rank, self.world_size = comm.rank_and_size(group)
         self.units, self.persistent, self.persistent_keys, self._handles = [], [], [], []
         self._order, self._recording = [], True  # forward order of the inner units, recorded once
@@ -288,13 +361,21 @@ class ShardedModel:
             self.units.append(Unit(module, parts, id(module) not in frozen_users))
         self.root = next((u for u in self.units if u.module is model), None)
         self.parts = [part for unit in self.units for part in unit.parts]
+        with torch.no_grad():
+            for p in self.persistent:
+                comm.broadcast(p.data, 0, group)  # as the flat buffers: rank 0's weights
+        for part in self.parts:
+            for p in part.params:
+                p._trainer_shard_zero3 = (self, part)
+        for p in self.persistent:
+            p._trainer_shard_zero3 = (self, None)
         self._install_hooks(unit_modules)
         self._wrapped_methods = []
         if hasattr(model, "generate"):
             self.register_forward_method("generate")
 
     def _install_hooks(self, unit_modules: list) -> None:
-        self.reducer = GradReducer(self.group)
+        self.reducer = GradReducer(self.group, reduce_dtype=self.reduce_dtype)
         # backward meets the inner units in reverse module order, the root's tied embedding last
         inner = [u for u in self.units if u is not self.root]
         for unit in reversed(inner) if self.root is None else [*reversed(inner), self.root]:
@@ -431,8 +512,13 @@ class ShardedModel:
         the encoder and the embeddings outside the root's forward)."""
         method = getattr(self.model, name)
 
+        # transformers' synced_gpus agrees over the default (world) group: a smaller group cannot use it
+        synced = name == "generate" and 1 < self.world_size == comm.rank_and_size(None)[1]
+
         @functools.wraps(method)
         def wrapped(*args, **kwargs):
+            if synced:  # ranks that finish first go on running forward with the others: no hang
+                kwargs["synced_gpus"] = True
             with self.gathered([self.root] if self.root else []):
                 return method(*args, **kwargs)
 
@@ -461,8 +547,9 @@ class ShardedModel:
         if self._recording:
             if unit is not None:
                 self._order.append(unit)
-        elif self.prefetch and unit in self._next:
-            self._next[unit].start_gather()
+        else:
+            for ahead in self._ahead(unit, self._next):
+                ahead.start_gather()
 
     def _post_forward(self, unit, is_root, module, args, output):
         if is_root and self._recording:
@@ -488,8 +575,23 @@ class ShardedModel:
         if not unit.for_backward:  # a unit run twice in forward gets this hook twice
             unit.for_backward = True
             unit.grads_seen = 0
-        if self.prefetch and unit in self._prev:  # backward runs the forward order in reverse
-            self._prev[unit].start_gather()
+        for ahead in self._ahead(unit, self._prev):  # backward runs the forward order in reverse
+            ahead.start_gather()
+
+    def _ahead(self, unit, following: dict):
+        """The units to prefetch when `unit` starts: the next one with `prefetch` True, else the
+        following ones while their elements add up to at most `prefetch` (at least one if > 0)."""
+        if not self.prefetch:
+            return
+        budget = None if self.prefetch is True else int(self.prefetch)
+        total, seen = 0, 0
+        while unit in following and seen < len(self._order):
+            unit = following[unit]
+            seen += 1
+            total += unit.numel
+            if seen > 1 and (budget is None or total > budget):
+                return
+            yield unit
 
     def _on_grad(self, unit, param):
         self._queue_callback()
@@ -518,8 +620,15 @@ class ShardedModel:
                     g.copy_(reduced)
 
 
+def sharded_part(param):
+    """(ShardedModel, FlatParams) of a parameter `shard_model` sharded, (ShardedModel, None) for
+    one it keeps whole, None for a parameter of no sharded model (an attribute of the parameter:
+    a WeakKeyDictionary of parameters crashed the interpreter here)."""
+    return getattr(param, "_trainer_shard_zero3", None)
+
+
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                prefetch: bool = True, group_fn=None, gather_pool: bool = True) -> ShardedModel:  # fmt: skip
+                prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the module docstring. Collective.
 
     Args:
@@ -527,18 +636,24 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
         units: module classes (every instance is a unit) or modules; default: the model alone.
         group: the process group (default: the world).
         persistence_threshold: parameters with fewer elements stay whole on every rank.
-        prefetch: start gathering the next unit (in the recorded forward order) as one starts.
+        prefetch: True: start gathering the next unit (in the recorded forward order) as one
+            starts; an int: the following units while their elements add up to at most that
+            many (at least the next one); 0 or False: no prefetch.
         group_fn: `group_fn(name, parameter) -> key`: parameters of different keys go in
             different flat buffers, so `param_groups` can give each key its own optimizer
             settings (weight decay or not); default: one key, None.
         gather_pool: reuse gather buffers (`GatherPool`); False: allocate and free each time.
             Measured on t5-small (2 ranks, 2 cores): the same speed and peak RSS either way,
             within noise; the pool keeps its buffers between steps (`pool.clear()` frees them).
+        reduce_dtype: the dtype gradients are summed over ranks in (default: as ZeRO-2's
+            `GradReducer`, the parameters' up to 8 ranks).
     """
     if int(persistence_threshold) < 0:
         raise ShardingError(f"persistence_threshold must be 0 or more, got {persistence_threshold}")
+    if not isinstance(prefetch, bool) and int(prefetch) < 0:
+        raise ShardingError(f"prefetch must be True, False or a number of elements >= 0, got {prefetch}")
     return ShardedModel(model, _unit_modules(model, units), group, int(persistence_threshold), prefetch, group_fn,
-                        gather_pool)
+                        gather_pool, reduce_dtype)
 
 
 def _unit_modules(model, units) -> list:

@@ -1,0 +1,73 @@
+"""`ShardedOptimizer(stage=3)` over a model `shard_model` sharded, against plain AdamW on the
+whole model and batch, one process (the reference of test_zero3_core.py)."""
+
+import pytest
+import torch
+from transformers.models.t5.modeling_t5 import T5Block
+
+from distributed import spawn
+from test_zero3_core import BATCH, CLIP, DECAY, LR, STEPS, assert_close_states, batch, make_t5, no_decay, reference
+from trainer_shard import ShardingError
+from trainer_shard.offload import OffloadSpec
+from trainer_shard.sharding import ShardedOptimizer, shard_model
+
+THRESHOLD = 100  # the layer norms (32 elements) stay whole: a stage-1 flat beside the units' flats
+
+
+def train(rank, world_size, units, offload=None):
+    """STEPS steps, each of `micro` micro-batches per rank (the loss divided by `micro`, as the
+    Trainer does under gradient accumulation); returns (full state dict, clipped norms)."""
+    model = make_t5()
+    sharded = shard_model(model, units=units, persistence_threshold=THRESHOLD, group_fn=no_decay)
+    names = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in names.items() if no_decay(n, p) == key], **DECAY[key]} for key in DECAY]
+    opt = ShardedOptimizer(groups, optim=torch.optim.AdamW, stage=3, offload=offload, lr=LR, weight_decay=0.01)
+    assert opt.sharded_model is sharded
+    assert {id(f) for f in opt.flats} > {id(f) for f in sharded.parts}  # and stage-1 flats of the persistent ones
+    assert {p for f in opt.flats for p in f.params} == set(model.parameters())
+    micro = BATCH // world_size
+    rows = 1
+    norms = []
+    for step in range(STEPS):
+        inputs, labels = batch(step)
+        for m in range(micro):
+            mine = slice((rank * micro + m) * rows, (rank * micro + m + 1) * rows)
+            (model(input_ids=inputs[mine], labels=labels[mine]).loss / micro).backward()
+        norms.append(float(opt.clip_grad_norm(CLIP)))
+        opt.step()
+        opt.zero_grad()
+        assert sharded.held_parameter_bytes()["gathered"] == 0
+    return sharded.full_state_dict(), norms
+
+
+def parity(rank, world_size, want, want_norms, tmp):
+    for units, offload in [([T5Block], None), (None, None), ([T5Block], OffloadSpec("cpu")),
+                           ([T5Block], OffloadSpec("nvme", nvme_path=tmp))]:  # fmt: skip
+        got, norms = train(rank, world_size, units, offload)
+        assert norms == pytest.approx(want_norms, rel=1e-5)
+        assert_close_states(got, want)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_optimizer_matches_plain_adamw(world_size, tmp_path):
+    """Weight-decay groups, gradient accumulation (one row a micro-batch: 3 of them on 2 ranks,
+    2 on 3), clipping; units T5Block or the whole model; on the device, CPU offload and disk
+    offload of the optimizer state."""
+    want, want_norms = reference(groups=True)
+    spawn(parity, world_size, want, want_norms, str(tmp_path))
+
+
+def test_stage3_needs_a_sharded_model():
+    model = make_t5()
+    with pytest.raises(ShardingError, match="shard the model first"):
+        ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3)
+
+
+def test_a_flat_buffer_may_not_span_two_param_groups():
+    model = make_t5()
+    shard_model(model, units=[T5Block], persistence_threshold=0)  # no group_fn: one flat per unit
+    names = dict(model.named_parameters())
+    groups = [{"params": [p for n, p in names.items() if no_decay(n, p) == key], **DECAY[key]} for key in DECAY]
+    with pytest.raises(ShardingError, match="group_fn"):
+        ShardedOptimizer(groups, optim=torch.optim.AdamW, stage=3)
