@@ -89,7 +89,7 @@ def test_unsynchronised_ranks_are_refused(tmp_path, backend):
     [
         (["--data_dir", "MISSING"], "data file 'MISSING/train.source' does not exist"),
         (["--sharded_ddp", "zero3"], "unknown option 'zero3'"),
-        (["--sharded_ddp", "zero_dp_3"], "not in this release"),
+        (["--sharded_ddp", "zero_dp_2 auto_wrap"], "'auto_wrap' wraps submodules for parameter sharding"),
         (["--offload", "nowhere.json"], "config file 'nowhere.json' does not exist"),
     ],
 )

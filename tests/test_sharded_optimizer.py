@@ -210,7 +210,7 @@ def test_refusals():
     with pytest.raises(ShardingError, match="needs the optimizer class"):
         ShardedOptimizer(model.parameters())
     with pytest.raises(ShardingError, match="stage must be 1"):
-        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=3, lr=0.1)
+        ShardedOptimizer(model.parameters(), optim=torch.optim.SGD, stage=4, lr=0.1)
 
 
 def check_mismatch(rank, world_size):

@@ -39,10 +39,7 @@ class ShardedDDPOption(str, enum.Enum):
 STRATEGIES = (ShardedDDPOption.SIMPLE, ShardedDDPOption.ZERO_DP_2, ShardedDDPOption.ZERO_DP_3, ShardedDDPOption.AUTO)
 
 # See [Note: unbuilt options].
-_NOT_BUILT = {
-    ShardedDDPOption.ZERO_DP_3: "parameter sharding (ZeRO-3)",
-    ShardedDDPOption.AUTO_WRAP: "parameter sharding (ZeRO-3), which auto_wrap configures",
-}
+_NOT_BUILT = {}
 
 
 def parse_sharded_ddp(value) -> tuple[list, list]:

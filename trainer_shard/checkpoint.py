@@ -35,19 +35,24 @@ _NAMES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def unique_state_dict(model) -> dict:
-    """`model.state_dict()` without tied duplicates, keeping the names `from_pretrained` expects."""
-    state = model.state_dict()
+    """`model.state_dict()` without tied duplicates, keeping the names `from_pretrained` expects.
+    The values are the parameters and buffers themselves, detached. Tensors are the same when
+    they share memory, or (a ZeRO-3 parameter between gathers: no memory) are one object."""
+    state = model.state_dict(keep_vars=True)
     tied = _tied_patterns(model)
     groups = {}
     for name, tensor in state.items():
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.untyped_storage().nbytes() == 0:
+            key = id(tensor)
+        else:
+            key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
         groups.setdefault(key, []).append(name)
     keep = {}
     for names in groups.values():
         untied = [n for n in names if not any(re.search(p, n) for p in tied)]
         name = (untied or sorted(names))[0]
         keep[name] = state[name]
-    return {name: keep[name] for name in state if name in keep}
+    return {name: keep[name].detach() for name in state if name in keep}
 
 
 def _tied_patterns(model) -> list:

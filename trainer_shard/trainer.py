@@ -13,6 +13,11 @@ Trainer would have built (same class, hyperparameters and weight-decay groups):
 
 - `simple` (ZeRO-1): the model is wrapped in DDP as usual; each rank steps its shard.
 - `zero_dp_2` (ZeRO-2): no DDP; the optimizer's backward hooks reduce-scatter the gradients.
+- `zero_dp_3` (ZeRO-3): no DDP; the parameters are sharded too (`sharding.zero3`), one unit per
+  layer with `auto_wrap` (else the whole model is one unit), gathered for each forward and
+  backward; the model is sharded when the optimizer is built, so evaluation before training
+  runs on the whole model. Saving streams `model.safetensors` a unit at a time; generate()
+  runs with `synced_gpus` so ranks finishing first keep step with the others.
 - `--bf16` / `--fp16`: the model's parameters and gradients become 16-bit; each rank keeps fp32
   master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
 - gradient clipping and the logged grad norm use the global norm over all shards;
@@ -43,7 +48,7 @@ from .config import apply as config_apply
 from .config.load import parse_size
 from .disk import describe_write_error
 from .errors import ArgumentError, CheckpointError
-from .sharding import ShardedGradScaler
+from .sharding import ShardedGradScaler, zero3_weights
 from .training import build, checkpoints, loss, plan
 from .training.evaluation import gather_for_metrics
 from .training.guard import check_distributed_setup
@@ -57,6 +62,8 @@ __all__ = ["ShardedSeq2SeqTrainer", "ShardedTrainer", "ShardedTrainerMixin", "ch
 class ShardedTrainerMixin:
     """Adds the trainer_shard options to a Trainer subclass. See the module docstring; each
     override below hands its work to one module of `training/`."""
+
+    sharded_model = None  # ZeRO-3: the zero3.ShardedModel, once the optimizer is built
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -172,7 +179,7 @@ class ShardedTrainerMixin:
     @property
     def sharding_stage(self):
         """1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process),
-        or None without sharding."""
+        3 (ZeRO-3: `zero_dp_3`, or a config at stage 3), or None without sharding."""
         return self._sharding_stage
 
     def create_optimizer(self, model=None):
@@ -180,6 +187,10 @@ class ShardedTrainerMixin:
         if stage is None or self.optimizer is not None:
             return super().create_optimizer(model)
         build.cast_for_mixed_precision(model if model is not None else self.model, self.args)
+        if stage == 3:  # the parameters sharded before the Trainer groups them for its optimizer
+            unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
+            self.sharded_model = build.shard_for_stage3(unwrapped, self.args, self.offload_config,
+                                                        self.get_decay_parameter_names(unwrapped))  # fmt: skip
         plain = super().create_optimizer(model)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
         self.optimizer = build.wrap(plain, stage, self.offload_spec, self.args, self.offload_config, model)
@@ -198,11 +209,13 @@ class ShardedTrainerMixin:
         """Make the Trainer step through `optimizer`; refuse one that would silently not shard."""
         build.check_adoptable(optimizer, self.sharding_stage, self.offload_spec, self.args)
         self.sharded_optimizer = optimizer
+        if self.sharding_stage == 3:
+            self.sharded_model = optimizer.sharded_model
         if self.args.fp16:
             # accelerate scales the loss and steps through this; see ShardedGradScaler
             self.accelerator.scaler = ShardedGradScaler(optimizer)
-        if self.sharding_stage == 2:
-            # No DDP around the model: the optimizer's hooks reduce-scatter the gradients.
+        if self.sharding_stage in (2, 3):
+            # No DDP around the model: the optimizer's (ZeRO-3: the model's) hooks reduce-scatter the gradients.
             self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
         logger.info("--sharded_ddp: %r", optimizer)
 
@@ -262,6 +275,15 @@ class ShardedTrainerMixin:
         if self.lr_scheduler is not None:
             checkpoints.load_scheduler(checkpoint, self.lr_scheduler)
 
+    def _load_best_model(self) -> None:
+        """ZeRO-3: the best checkpoint's weights read unit by unit into the shards (collective);
+        otherwise the Trainer's own."""
+        sharded = self.sharded_model
+        if sharded is None:
+            return super()._load_best_model()
+        logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
+        zero3_weights.load_weights(sharded, self.state.best_model_checkpoint)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""
         checkpoints.check_manifest(resume_from_checkpoint, self.args)
@@ -275,11 +297,20 @@ class ShardedTrainerMixin:
         if state_dict is not None or not isinstance(model, PreTrainedModel):
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
+        sharded = self.sharded_model
+        if not self.args.should_save and sharded is None:
             return
-        logger.info("Saving model checkpoint to %s", output_dir)
+        if self.args.should_save:
+            logger.info("Saving model checkpoint to %s", output_dir)
         try:
-            files = save_model(model, output_dir, parse_size(getattr(self.args, "max_shard_size", "5GB")))
+            max_size = parse_size(getattr(self.args, "max_shard_size", "5GB"))
+            if sharded is not None:  # ZeRO-3: every rank takes part in each unit's gather (Trainer.save_model
+                # calls _save on every rank), the saving ones write
+                files = zero3_weights.save_weights(sharded, output_dir, max_size, self.args.should_save)
+                if not self.args.should_save:
+                    return
+            else:
+                files = save_model(model, output_dir, max_size)
             if self._staged is not None:
                 self._staged.model_files = files
             if self.processing_class is not None:

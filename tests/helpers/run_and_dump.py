@@ -14,7 +14,10 @@ script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "f
 try:
     trainer, _ = script["main"](sys.argv[1:])
     model = trainer.accelerator.unwrap_model(trainer.model)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if trainer.sharded_model is not None:  # ZeRO-3: gathered unit by unit (collective)
+        state = trainer.sharded_model.full_state_dict()
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, Path(trainer.args.output_dir) / f"rank{os.environ.get('RANK', '0')}.pt")
 finally:
     import torch.distributed as dist

@@ -489,21 +489,25 @@ class ShardedModel:
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict) -> None:
-        """Load whole weights (as `full_state_dict` gives, or the unsharded model's state dict)
-        unit by unit; every key must be there. Use it instead of `model.load_state_dict`, which
+        """Load whole weights (as `full_state_dict` gives, or the unsharded model's state dict;
+        any mapping that reads tensors by name) unit by unit; every parameter must be there
+        under one of its names. Use it instead of `model.load_state_dict`, which
         would write into freed buffers. An optimizer's state is left as it is. Collective."""
-        names = dict(self.model.named_parameters(remove_duplicate=False))
-        missing = [n for n in [*names, *dict(self.model.named_buffers())] if n not in state_dict]
+        where, missing = {}, []  # a tied parameter needs one of its names there
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) not in where and name in state_dict:
+                where[id(p)] = name
+        missing = [n for n, p in self.model.named_parameters() if id(p) not in where]
+        missing += [n for n, _ in self.model.named_buffers() if n not in state_dict]
         if missing:
             raise ShardingError(f"load_full_state_dict: {len(missing)} keys missing, e.g. {missing[:3]}; "
                                 "pass a full state dict of this model")  # fmt: skip
         for unit in self.units:
             with self.gathered([unit], writeback=True):
-                for part in unit.parts:
-                    for p, name in zip(part.params, part.names):
-                        p.copy_(state_dict[name])
+                for p in unit.params:
+                    p.copy_(state_dict[where[id(p)]])
         for p in self.persistent:
-            p.copy_(state_dict[next(n for n, q in names.items() if q is p)])
+            p.copy_(state_dict[where[id(p)]])
         for name, b in self.model.named_buffers():
             b.copy_(state_dict[name])
 

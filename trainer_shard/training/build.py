@@ -2,9 +2,12 @@
 (same class, hyperparameters and weight-decay groups), or a check of the one a user passed.
 
     cast_for_mixed_precision(model, args)           # bf16/fp16 parameters; fp32 masters in the shards
+    sharded = shard_for_stage3(model, args, config, decay_names)   # ZeRO-3: before the optimizer is built
     optimizer = wrap(plain, stage, spec, args, config)
     check_adoptable(optimizer, stage, spec, args)   # a user's optimizers=(...) would really shard
 """
+
+import logging
 
 import torch
 
@@ -12,7 +15,14 @@ from .. import dtypes
 from ..config import apply as config_apply
 from ..constants import BUCKET_NUMEL
 from ..errors import ArgumentError
-from ..sharding import DynamicLossScaler, ShardedOptimizer
+from ..sharding import DynamicLossScaler, ShardedOptimizer, shard_model
+from ..sharding.zero3 import PERSISTENCE_THRESHOLD
+
+logger = logging.getLogger(__name__)
+
+SIZE_BASED_UNIT_NUMEL = 10**8
+"""auto_wrap's fallback for a model without `_no_split_modules` and without a ModuleList of layers:
+a module of at least this many elements is a unit (FSDP's `size_based_auto_wrap_policy` default)."""
 
 
 def bucket_numel(config, stage, model=None) -> int:
@@ -32,14 +42,61 @@ def cast_for_mixed_precision(model, args) -> None:
         model.to(dtype)
 
 
+def unit_modules(model, auto_wrap: bool) -> tuple:
+    """(the units ZeRO-3 gathers one at a time, how they were chosen). With `auto_wrap`: every
+    instance of the classes in the model's `_no_split_modules` (`T5Block` for T5: what transformers
+    keeps on one device), else the children of each `ModuleList` (a model's layers), else every
+    module of at least `SIZE_BASED_UNIT_NUMEL` elements; without it, the model is one unit."""
+    if not auto_wrap:
+        return [], "the whole model is one unit (gathered whole for each forward and backward: add auto_wrap " \
+                   "to --sharded_ddp to gather one layer at a time)"
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found, f"one unit per {', '.join(sorted({type(m).__name__ for m in found}))} ({len(found)} units, " \
+                      "from the model's _no_split_modules)"
+    found = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    if found:
+        return found, f"one unit per layer of the model's ModuleLists ({len(found)} units)"
+    found = [m for m in model.modules() if m is not model
+             and sum(p.numel() for p in m.parameters()) >= SIZE_BASED_UNIT_NUMEL]  # fmt: skip
+    return found, f"one unit per module of at least {SIZE_BASED_UNIT_NUMEL:.0e} elements ({len(found)} units)"
+
+
+def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
+    """ZeRO-3: `model`'s parameters sharded in place (zero3.shard_model), in flat buffers split
+    by weight decay or not (the Trainer's `decay_names`), so each param group steps its own.
+    Units: `--sharded_ddp "zero_dp_3 auto_wrap"` (or a config at stage 3, as DeepSpeed gathers
+    module by module) one per layer, else the whole model; the config's stage-3 keys set the
+    persistence threshold and prefetch (config/apply.py `zero3_kwargs`)."""
+    from ..args import ShardedDDPOption
+
+    options = getattr(args, "sharded_ddp", None) or []
+    auto_wrap = ShardedDDPOption.AUTO_WRAP in options or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options)
+    units, how = unit_modules(model, auto_wrap)
+    kwargs = {"persistence_threshold": PERSISTENCE_THRESHOLD, "prefetch": True}
+    zero3_kwargs = getattr(config_apply, "zero3_kwargs", None)
+    if config is not None and zero3_kwargs is not None:
+        kwargs.update(zero3_kwargs(config, model))
+    reduce = config.communication_data_type if config is not None else None
+    decay = set(decay_names)
+    sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
+                          reduce_dtype=dtypes.DTYPES.get(reduce), **kwargs)  # fmt: skip
+    if args.process_index == 0:
+        logger.info("zero_dp_3: %s; parameters under %d elements stay whole on every rank", how,
+                    kwargs["persistence_threshold"])  # fmt: skip
+    return sharded
+
+
 def wrap(plain: torch.optim.Optimizer, stage: int, spec, args, config, model=None) -> ShardedOptimizer:
-    """`plain` sharded at `stage` with offload `spec`, as the flags and the config say: the fp16
+    """`plain` sharded at `stage` with offload `spec` (at stage 3, over a model `shard_for_stage3`
+    sharded), as the flags and the config say: the fp16
     loss scaler (the config's `fp16` section), `overlap_comm`, bucket size, gradient and
     communication dtypes. `model` gives the hidden size `"auto"` bucket sizes come from."""
     scaler = DynamicLossScaler(**config_apply.loss_scaler_kwargs(config)) if args.fp16 else None
     overlap = config.overlap_comm if config is not None else True
     accum = config.grad_accum_dtype if config is not None else None
-    reduce = config.communication_data_type if config is not None and stage == 2 else None
+    reduce = config.communication_data_type if config is not None and stage == 2 else None  # stage 3: the model's
     return ShardedOptimizer.wrap(
         plain, stage=stage, loss_scaler=scaler, offload=spec, bucket_numel=bucket_numel(config, stage, model),
         overlap_comm=overlap, grad_dtype=dtypes.DTYPES.get(accum), reduce_dtype=dtypes.DTYPES.get(reduce),

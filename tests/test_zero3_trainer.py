@@ -1,0 +1,138 @@
+"""--sharded_ddp zero_dp_3 through finetune_trainer.py, against plain DDP (and zero_dp_2 for
+16-bit), on 2 and 3 gloo ranks: weights, logged loss and grad norm, generations, checkpoints."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
+from trainer_shard.sharding import state_io
+
+DUMP = ROOT / "tests" / "helpers" / "run_and_dump.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+
+def train_flags(model, data, out, *extra):
+    return ["--model_name_or_path", model, "--data_dir", data, "--output_dir", out, *TINY_FLAGS, "--do_train",
+            "--max_steps", "6", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--max_grad_norm", "0.3", "--weight_decay", "0.1", *extra]  # fmt: skip
+
+
+def log(out):
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
+
+
+def assert_matches(out, reference, ranks, atol=1e-6):
+    """Every rank ends with the same weights, within `atol` of the reference run's; the logged
+    loss and grad norm as the reference's."""
+    want = torch.load(reference / "rank0.pt")
+    got = [torch.load(out / f"rank{r}.pt") for r in range(ranks)]
+    assert got[0].keys() == want.keys()
+    assert all(torch.equal(got[0][k], other[k]) for other in got[1:] for k in want), "ranks diverged"
+    worst = max((got[0][k].float() - want[k].float()).abs().max().item() for k in want)
+    assert worst <= atol, f"{out.name}: {worst:.3g} from {reference.name}"
+    for (loss, norm), (ref_loss, ref_norm) in zip(log(out), log(reference), strict=True):
+        assert loss == pytest.approx(ref_loss, abs=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
+    saved = load_file(out / "model.safetensors")  # streamed unit by unit: the same weights, ties once
+    assert all(torch.equal(saved[k], got[0][k]) for k in saved) and "lm_head.weight" not in saved
+
+
+@pytest.fixture(scope="module")
+def ddp(tiny_model, tiny_data, tmp_path_factory):
+    """Plain DDP on 2 and 3 ranks (fp32, accumulation 2, clipping, weight decay)."""
+    runs = {}
+    for ranks in (2, 3):
+        out = tmp_path_factory.mktemp(f"ddp{ranks}") / "out"
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out), nproc=ranks, script=DUMP))
+        runs[ranks] = out
+    return runs
+
+
+@pytest.mark.parametrize("ranks,option", [(2, "zero_dp_3 auto_wrap"), (3, "zero_dp_3 auto_wrap offload")])
+def test_matches_ddp(ddp, tiny_model, tiny_data, tmp_path, ranks, option):
+    """One unit per T5Block, and on 3 ranks (padding in every unit) with the optimizer state
+    offloaded to CPU. (Without auto_wrap: the resume test's first run.)"""
+    out = tmp_path / "out"
+    proc = run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option), nproc=ranks, script=DUMP)
+    assert_ok(proc)
+    assert_matches(out, ddp[ranks], ranks)
+
+
+def test_bf16_logs_as_zero_dp_2(tiny_model, tiny_data, tmp_path):
+    """bf16 parameters, fp32 masters: the logged loss and grad norm are zero_dp_2's."""
+    runs = {}
+    for option in ("zero_dp_2", "zero_dp_3 auto_wrap"):
+        out = runs[option] = tmp_path / option.replace(" ", "_")
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option, "--bf16"), nproc=2))
+    for (loss, norm), (ref_loss, ref_norm) in zip(log(runs["zero_dp_3 auto_wrap"]), log(runs["zero_dp_2"]), strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3)
+    weights = load_file(runs["zero_dp_3 auto_wrap"] / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())
+
+
+def test_eval_generate_and_best_model(tiny_model, tiny_data, tmp_path):
+    """Eval during training, load_best_model_at_end, gradient checkpointing, and predict with beam
+    search (ranks whose sequences end at different lengths keep in step: synced_gpus): the
+    generations are those of the trained model run whole on one process, line for line."""
+    out = tmp_path / "out"
+    extra = ["--sharded_ddp", "zero_dp_3 auto_wrap", "--gradient_checkpointing", "--do_eval", "--do_predict",
+             "--predict_with_generate", "--n_val", "10", "--n_test", "10", "--eval_beams", "2",
+             "--eval_strategy", "steps", "--eval_steps", "3", "--save_strategy", "steps", "--save_steps", "3",
+             "--load_best_model_at_end", "--metric_for_best_model", "loss", "--per_device_eval_batch_size", "3"]  # fmt: skip
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP))
+    state = json.loads((out / "trainer_state.json").read_text())
+    best = state["best_model_checkpoint"]
+    assert best is not None and best.endswith(("checkpoint-3", "checkpoint-6"))
+    final = torch.load(out / "rank0.pt")  # the best checkpoint's weights, loaded unit by unit
+    assert all(torch.equal(final[k], v) for k, v in load_file(f"{best}/model.safetensors").items())
+    whole = tmp_path / "whole"
+    flags = ["--model_name_or_path", out, "--data_dir", tiny_data, "--output_dir", whole, *TINY_FLAGS, "--do_predict",
+             "--predict_with_generate", "--n_test", "10", "--eval_beams", "2", "--use_cpu"]  # fmt: skip
+    assert_ok(run_script(flags))
+    lines = (out / "test_generations.txt").read_text().splitlines()
+    assert len(lines) == 10 and lines == (whole / "test_generations.txt").read_text().splitlines()
+
+
+def test_resume_exactly_and_across_stages_and_world_sizes(ddp, tiny_model, tiny_data, tmp_path):
+    """zero_dp_3 without auto_wrap (the whole model one unit) trains as DDP; its checkpoint
+    resumes exactly at the same world size, and with no conversion as zero_dp_2 on 2 ranks and
+    as plain training on 1; `trainer-shard consolidate` reads it."""
+    out = tmp_path / "out"
+    save = ["--save_strategy", "steps", "--save_steps", "3"]
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_3", *save)
+    assert_ok(run_script(flags, nproc=2, script=DUMP))
+    assert_matches(out, ddp[2], 2)
+    straight = load_file(out / "model.safetensors")
+    assert sorted(p.name for p in (out / "checkpoint-3" / "optimizer_shards").iterdir()) == [
+        "index.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]  # fmt: skip
+    assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
+    resumed = load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight), "same world size: not exact"
+    for name, nproc, extra in (("stage2", 2, ["--sharded_ddp", "zero_dp_2"]), ("plain", 1, ["--use_cpu"])):
+        other = tmp_path / name
+        other.mkdir()
+        subprocess.run(["cp", "-r", out / "checkpoint-3", other], check=True)
+        again = [*train_flags(tiny_model, tiny_data, other, *extra, *save), "--resume_from_checkpoint",
+                 other / "checkpoint-3"]  # fmt: skip
+        if nproc == 1:  # the same 4 micro-batches of 4 a step as 2 ranks accumulating 2 each
+            again += ["--gradient_accumulation_steps", "4"]
+        assert_ok(run_script(again, nproc=nproc))
+        weights = load_file(other / "model.safetensors")
+        worst = max((weights[k] - straight[k]).abs().max().item() for k in straight)
+        assert worst < 1e-5, f"resumed as {name}: {worst:.3g} from the straight run"
+    consolidated = tmp_path / "consolidated"
+    proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "consolidate", out / "checkpoint-3", consolidated],
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    at_three = load_file(out / "checkpoint-3" / "model.safetensors")
+    weights = load_file(consolidated / "model.safetensors")
+    assert all(torch.equal(weights[k], at_three[k]) for k in at_three)
+    sources = state_io.ShardSources(out / "checkpoint-3" / state_io.FOLDER)
+    assert sources.read_param("shared.weight", "exp_avg").shape == at_three["shared.weight"].shape
+    sources.close()
