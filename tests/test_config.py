@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
 from trainer_shard import ArgumentError, ShardedSeq2SeqTrainingArguments
 from trainer_shard.config import load_config
-from trainer_shard.config.schema import TOP
+from trainer_shard.config.apply import zero3_kwargs, zero3_settings
+from trainer_shard.config.schema import ROLES, STAGE3_ALIASES, TOP
 from trainer_shard.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -52,7 +55,9 @@ def problems(tmp_path, data, **kwargs):
          "$.zero_optimization.offload_optimizer.nvme_path", 'only used with device "nvme"'),
         ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "x"}}},
          "$.zero_optimization.cpu_offload", "contradicts"),
-        ({"zero_optimization": {"stage": 3}}, "$.zero_optimization.stage", "not in this release"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+         "$.zero_optimization.offload_param.device", "offload_param (parameters in CPU RAM or on disk) is not in this "
+         "release; remove it, or set its device to none; offload_optimizer works at stage 3"),
         ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "$.zero_optimization.contiguous_gradients",
          "must be true: gradients are always copied"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "$.fp16.enabled", "enable one"),
@@ -71,7 +76,7 @@ def test_each_bad_input_is_named(tmp_path, data, path, fragment):
 
 def test_offload_on_two_ranks_needs_a_shard(tmp_path):
     found, _ = problems(tmp_path, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, world_size=2)
-    assert "needs stage 1 or 2" in found["$.zero_optimization.stage"]
+    assert "needs stage 1, 2 or 3" in found["$.zero_optimization.stage"]
     load_config(write(tmp_path, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}), world_size=1)
 
 
@@ -191,3 +196,100 @@ def test_validate_config_command(tmp_path):
     bad = write(tmp_path, {"zero_optimization": {"stage": "two"}})
     proc = subprocess.run([exe, "validate-config", bad], capture_output=True, text=True)
     assert proc.returncode == 2 and "$.zero_optimization.stage: must be an integer" in proc.stderr
+
+
+def stage3_keys(spec=TOP, prefix=""):
+    for name, key in spec.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if key.role == "stage3":
+            yield path, key
+        yield from stage3_keys(key.children, path)
+
+
+def test_every_stage_3_key_has_a_decision_at_stage_3_and_why():
+    keys = dict(stage3_keys())
+    assert len(keys) >= 30 and all(k.at_stage3 in set(ROLES) - {"stage3"} and k.stage3_why for k in keys.values())
+    names = {path.rsplit(".", 1)[1] for path in keys}
+    assert {n for canonical, others in STAGE3_ALIASES.items() for n in (canonical, *others)} <= names
+
+
+def test_stage_3_is_accepted(tmp_path):
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3}}), world_size=2)
+    assert config.stage == 3 and config.ignored == () and config.given == ()
+
+
+class Tiny(torch.nn.Module):
+    """hidden size 64 (T5's d_model), 4,096 + 64 + 100 + 10 elements in four parameters"""
+
+    def __init__(self):
+        super().__init__()
+        self.config = transformers.T5Config(d_model=64)
+        self.big, self.bias = torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(torch.zeros(64))
+        self.frozen = torch.nn.Parameter(torch.zeros(100), requires_grad=False)
+        self.small = torch.nn.Parameter(torch.zeros(10))
+
+
+def kwargs_of(tmp_path, zero, model=None):
+    return zero3_kwargs(load_config(write(tmp_path, {"zero_optimization": {"stage": 3, **zero}})), model or Tiny())
+
+
+@pytest.mark.parametrize(
+    "zero, expected",
+    [
+        ({}, {"persistence_threshold": 100_000, "prefetch": 50_000_000}),  # DeepSpeed's defaults
+        ({"stage3_prefetch_bucket_size": 0.94e6, "stage3_param_persistence_threshold": 1e4},
+         {"persistence_threshold": 10_000, "prefetch": 940_000}),
+        ({"stage3_prefetch_bucket_size": 0}, {"persistence_threshold": 100_000, "prefetch": 0}),
+        ({"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+         {"persistence_threshold": 640, "prefetch": int(0.9 * 64 * 64)}),  # from the hidden size, as HF fills them
+        ({"prefetch_bucket_size": 1234, "param_persistence_threshold": 77},  # DeepSpeed's other names
+         {"persistence_threshold": 77, "prefetch": 1234}),
+        ({"prefetch_bucket_size": "auto", "param_persistence_threshold": "auto"},  # HF fills only the stage3_ names
+         {"persistence_threshold": 100_000, "prefetch": 50_000_000}),
+        ({"stage3_prefetch_bucket_size": 5000, "stage3_max_live_parameters": 1000},  # the cap on what is live
+         {"persistence_threshold": 100_000, "prefetch": 1000}),
+        ({"stage3_prefetch_bucket_size": "auto", "max_live_parameters": 100},
+         {"persistence_threshold": 100_000, "prefetch": 100}),
+        ({"stage3_max_live_parameters": "auto", "sub_group_size": 1e9, "stage3_max_reuse_distance": 0},
+         {"persistence_threshold": 100_000, "prefetch": 50_000_000}),
+    ],
+)  # fmt: skip
+def test_zero3_kwargs(tmp_path, zero, expected):
+    assert kwargs_of(tmp_path, zero) == expected
+    assert all(type(v) is int for v in kwargs_of(tmp_path, zero).values())
+
+
+def test_zero3_kwargs_defaults_are_the_engines_and_deepspeeds():
+    from trainer_shard.sharding import zero3
+
+    assert zero3_kwargs(None, None) == {"persistence_threshold": zero3.PERSISTENCE_THRESHOLD, "prefetch": 50_000_000}
+    assert zero3.PERSISTENCE_THRESHOLD == 100_000
+
+
+def test_zero3_kwargs_auto_needs_a_hidden_size(tmp_path):
+    with pytest.raises(ConfigError, match="stage3_prefetch_bucket_size: \"auto\" comes from the model's hidden size"):
+        kwargs_of(tmp_path, {"stage3_prefetch_bucket_size": "auto"}, model=torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["stage3_model_persistence_threshold", "model_persistence_threshold"])
+def test_model_persistence_threshold_below_what_stays_whole_is_refused(tmp_path, name):
+    # persistence threshold 64: bias (64) and small (10) stay whole, and the frozen 100: 174 elements
+    zero = {"stage3_param_persistence_threshold": 64, name: 173}
+    with pytest.raises(ConfigError) as e:
+        kwargs_of(tmp_path, zero)
+    assert e.value.problems == [(f"$.zero_optimization.{name}", (
+        "is 173 elements, but the parameters kept whole on every rank here (those of at most 64 elements, "
+        "stage3_param_persistence_threshold, and the frozen ones) hold 174 in Tiny; raise it or remove it, or lower "
+        "stage3_param_persistence_threshold"))]  # fmt: skip
+    assert kwargs_of(tmp_path, dict(zero, **{name: 174}))["persistence_threshold"] == 64
+
+
+def test_zero3_settings_for_validate_config(tmp_path):
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                                                "param_persistence_threshold": 1e4,
+                                                                "stage3_max_live_parameters": 1e9}}))  # fmt: skip
+    assert zero3_settings(config) == [
+        "prefetch: auto (0.9 x hidden size squared) elements ahead, at most 1,000,000,000 (stage3_max_live_parameters)",
+        "persistence threshold: 10,000 elements (parameters of at most this many stay whole on every rank)",
+        "parameters: sharded between uses, in this process's memory (parameter offload is not in this release)",
+        "save_model: the whole model.safetensors, streamed a unit at a time"]  # fmt: skip

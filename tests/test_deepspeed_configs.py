@@ -1,6 +1,7 @@
 """DeepSpeed configs as people have them (tests/data/deepspeed/, copied verbatim from DeepSpeed's,
 transformers' and accelerate's documentation and from fine-tuning projects; SOURCES.md says where)
-work as written: stages 0-2 accepted, stage 3 told so first, every ignored key named once."""
+work as written: stages 0-3 accepted (stage 3 without parameter offload, which is refused with
+the way out), every ignored key named once."""
 
 import json
 import re
@@ -13,12 +14,15 @@ import torch
 
 from conftest import ROOT, assert_ok, run_script
 from test_sharded_trainer import DUMP, train_flags
-from trainer_shard import ShardedSeq2SeqTrainingArguments
-from trainer_shard.config import load_config
-from trainer_shard.config.load import STAGE3_REFUSAL
+from trainer_shard import ArgumentError, ShardedSeq2SeqTrainingArguments
+from trainer_shard.args import log_notes
+from trainer_shard.config import load_config, stage_notes, stage_problems
+from trainer_shard.config.apply import zero_stage
+from trainer_shard.config.schema import PARAM_OFFLOAD_REFUSAL
 from trainer_shard.errors import ConfigError
 
-FILES = sorted(p for p in (ROOT / "tests" / "data" / "deepspeed").glob("*.json") if p.name != "hf_auto_fills.json")
+DATA = ROOT / "tests" / "data" / "deepspeed"
+FILES = sorted(p for p in DATA.glob("*.json") if not p.name.startswith("hf_auto_fills"))  # the configs, not records
 
 
 def stage_of(path: Path):
@@ -48,26 +52,185 @@ def test_stage_0_to_2_configs_are_accepted_as_written(path):
     assert config.stage == stage_of(path)
 
 
-@pytest.mark.parametrize("path", [f for f in FILES if stage_of(f) == 3], ids=lambda p: p.stem)
-def test_stage_3_configs_hear_first_that_stage_3_is_the_reason(path):
+def offloads_parameters(path: Path) -> bool:
+    return json.loads(path.read_text())["zero_optimization"].get("offload_param", {}).get("device", "none") != "none"
+
+
+STAGE3 = [f for f in FILES if stage_of(f) == 3]
+# what else the stage-3 files hold that is refused here, and the fix
+OTHER_PROBLEMS = {
+    "hf_docs_zero3_nvme": {"$.zero_optimization.aio": "aio belongs at $.aio"},  # DeepSpeed refuses it there too
+    "fastchat_deepspeed_config_s3": {"$.micro_batch_size_per_gpu": "did you mean train_micro_batch_size_per_gpu?"},
+}  # fmt: skip
+
+
+def fixed(path: Path) -> dict:
+    """The file with each fix its problems name applied."""
+    data = json.loads(path.read_text())
+    zero = data["zero_optimization"]
+    if "offload_param" in zero:
+        zero["offload_param"]["device"] = "none"
+    if "aio" in zero:
+        data["aio"] = zero.pop("aio")
+    if "micro_batch_size_per_gpu" in data:
+        data["train_micro_batch_size_per_gpu"] = data.pop("micro_batch_size_per_gpu")
+    return data
+
+
+def test_the_stage_3_files_hold_both_kinds():
+    assert {offloads_parameters(f) for f in STAGE3} == {True, False} and len(STAGE3) == 8
+
+
+@pytest.mark.parametrize("path", [f for f in STAGE3 if not offloads_parameters(f)], ids=lambda p: p.stem)
+def test_stage_3_configs_without_parameter_offload_are_accepted_as_written(path):
+    config = load_config(path, world_size=2)
+    assert config.stage == 3 and zero_stage(config, None) == 3
+    ignored = dict(config.ignored)
+    assert {"$.zero_optimization.sub_group_size", "$.zero_optimization.stage3_max_reuse_distance",
+            "$.zero_optimization.reduce_bucket_size"} <= set(ignored)  # fmt: skip
+    assert not [p for p in ignored if "prefetch" in p or "persistence" in p or "max_live" in p]  # they take effect
+
+
+@pytest.mark.parametrize("path", [f for f in STAGE3 if offloads_parameters(f)], ids=lambda p: p.stem)
+def test_stage_3_configs_with_parameter_offload_are_told_the_way_out(path, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(path, world_size=2)
-    assert e.value.problems[0] == ("$.zero_optimization.stage", STAGE3_REFUSAL)
-    assert not [p for p, _ in e.value.problems if "stage3_" in p or "offload_param" in p]  # no line of their own
+    found = dict(e.value.problems)
+    assert found.pop("$.zero_optimization.offload_param.device") == PARAM_OFFLOAD_REFUSAL
+    expected = OTHER_PROBLEMS.get(path.stem, {})
+    assert set(found) == set(expected) and all(expected[k] in found[k] for k in found), found
+    # the fixes the problems name are enough
+    config = load_config(write(tmp_path, fixed(path)), world_size=2)
+    assert config.stage == 3 and config.offload_device in ("cpu", "nvme")  # offload_optimizer takes effect
+    param_keys = {f"$.zero_optimization.offload_param.{k}" for k in fixed(path)["zero_optimization"]["offload_param"]}
+    assert dict(config.given)["$.zero_optimization.offload_param.device"].endswith('"none" is what the engine does')
+    assert {p for p in dict(config.ignored) if ".offload_param." in p} == param_keys - {
+        "$.zero_optimization.offload_param.device"}
 
 
-def test_stage_3_comes_first_whatever_else_is_wrong(tmp_path):
-    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, **{f"bogus{i}": 1 for i in range(8)}},
-            "train_batch_size": "many"}  # fmt: skip
-    found = problems(tmp_path, data)
-    assert found[0] == ("$.zero_optimization.stage", STAGE3_REFUSAL) and len(found) == 3
+def test_parameter_offload_is_refused_whatever_else_is_wrong(tmp_path):
+    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "yes"},
+                                  "cpu_offload_param": True}, "train_batch_size": "many"}  # fmt: skip
+    found = dict(problems(tmp_path, data))
+    assert found == {"$.zero_optimization.offload_param.device": PARAM_OFFLOAD_REFUSAL,
+                     "$.zero_optimization.offload_param.pin_memory": "must be true or false, got \"yes\"",
+                     "$.zero_optimization.cpu_offload_param": "is the old form of offload_param.device = cpu: "
+                                                              + PARAM_OFFLOAD_REFUSAL,
+                     "$.train_batch_size": "must be an integer, got \"many\""}  # fmt: skip
+
+
+def test_parameter_offload_in_a_stage_0_file_run_at_stage_3_is_refused(tmp_path):
+    data = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "x"}}}
+    config = load_config(write(tmp_path, data))
+    assert dict(config.ignored) == {"$.zero_optimization.offload_param": (
+        "a ZeRO-3 (parameter sharding) setting: where the parameter shards live; not used in a run without sharding "
+        "(stage 0, no offload)")}  # fmt: skip
+    assert stage_problems(config, 3, world_size=2) == [("$.zero_optimization.offload_param.device",
+                                                        PARAM_OFFLOAD_REFUSAL)]  # fmt: skip
+    assert stage_problems(config, 2, world_size=2) == []
 
 
 def test_stage_3_keys_at_stage_2_are_ignored_with_a_warning(tmp_path):
-    data = {"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9, "offload_param": {"device": "cpu"}}}
+    data = {"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9,
+                                  "offload_param": {"device": "cpu", "pin_memory": True}}}  # fmt: skip
     ignored = dict(load_config(write(tmp_path, data)).ignored)
     assert set(ignored) == {"$.zero_optimization.stage3_max_live_parameters", "$.zero_optimization.offload_param"}
     assert all("not used in stage 2" in why for why in ignored.values())
+
+
+def test_stage_3_keys_are_checked_at_every_stage_as_deepspeed_checks_them(tmp_path):
+    for stage in (2, 3):
+        data = {"zero_optimization": {"stage": stage, "stage3_prefetch_bucket_size": -1, "sub_group_size": "big",
+                                      "stage3_gather_16bit_weights_on_model_save": 1, "offload_param": {"devise": 0},
+                                      "stage3_max_live_parameters": "auto",
+                                      "leaf_module": {"classes": ["X"]}}}  # fmt: skip
+        found = dict(problems(tmp_path, data))
+        assert set(found) == {"$.zero_optimization.stage3_prefetch_bucket_size", "$.zero_optimization.sub_group_size",
+                              "$.zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                              "$.zero_optimization.offload_param.devise"}, found  # fmt: skip
+        assert "must be >= 0" in found["$.zero_optimization.stage3_prefetch_bucket_size"]
+
+
+IGNORED_AT_STAGE3 = {  # key: value -> a fragment of the reason in its warning line
+    "sub_group_size": (1e9, "steps the shard here in chunks of its own"),
+    "stage3_max_reuse_distance": (1e9, "freed as soon as its forward or its backward is done"),
+    "max_reuse_distance": (5, "as stage3_max_reuse_distance"),
+    "stage3_gather_16bit_weights_on_model_save": (False, "always writes the whole model.safetensors"),
+    "stage3_gather_fp16_weights_on_model_save": ("auto", "as stage3_gather_16bit_weights_on_model_save"),
+    "stage3_module_granularity_threshold": (100, "gathered whole, one flat buffer"),
+    "stage3_use_all_reduce_for_fetch_params": (True, "one all-gather of its flat buffer"),
+    "allgather_sequential": (True, "as stage3_allgather_sequential"),
+    "memory_efficient_linear": (True, "modules run their own forward here"),
+    "cpu_offload_use_pin_memory": (True, "sets nothing any more"),
+    "leaf_module": ({"classes": ["T5Block"]}, "gathered whole, with its children"),
+    "reduce_bucket_size": ("auto", "reduced as one bucket"),
+    "allgather_bucket_size": (5e8, "each unit is gathered whole"),
+    "allgather_partitions": (True, "nothing is all-gathered after the step"),
+    "overlap_comm": (False, "false applies to stage 2"),
+}
+GIVEN_AT_STAGE3 = {"stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True,
+                   "stage3_use_all_reduce_for_fetch_params": False, "pipeline_loading_checkpoint": False,
+                   "stage3_model_persistence_threshold": 10**12, "cpu_offload_param": False}  # fmt: skip
+EFFECT_AT_STAGE3 = {"stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 2,
+                    "stage3_max_live_parameters": 3}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(IGNORED_AT_STAGE3))
+def test_each_key_ignored_at_stage_3_is_named_in_one_warning_line(key, tmp_path, caplog):
+    value, fragment = IGNORED_AT_STAGE3[key]
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, key: value}}))
+    assert list(dict(config.ignored)) == [f"$.zero_optimization.{key}"] and fragment in dict(config.ignored)[
+        f"$.zero_optimization.{key}"]
+    assert f"$.zero_optimization.{key}" not in dict(config.given)
+    with caplog.at_level("INFO", logger="trainer_shard.args"):
+        log_notes(config, "c.json")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    path = f"$.zero_optimization.{key}"
+    assert warned == [f"--offload c.json: {path} ignored: {dict(config.ignored)[path]}"]
+
+
+def test_keys_that_are_what_the_engine_does_or_take_effect_warn_nothing(tmp_path):
+    data = {"zero_optimization": {"stage": 3, **GIVEN_AT_STAGE3, **EFFECT_AT_STAGE3}}
+    config = load_config(write(tmp_path, data))
+    assert config.ignored == ()
+    assert set(dict(config.given)) == {f"$.zero_optimization.{k}" for k in GIVEN_AT_STAGE3}
+
+
+def test_two_names_of_one_setting_are_refused_as_deepspeed_refuses_them(tmp_path):
+    data = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 10, "prefetch_bucket_size": 10,
+                                  "stage3_gather_16bit_weights_on_model_save": True,
+                                  "stage3_gather_fp16_weights_on_model_save": True}}  # fmt: skip
+    assert dict(problems(tmp_path, data)) == {
+        "$.zero_optimization.prefetch_bucket_size": "and stage3_prefetch_bucket_size name one setting; keep one "
+                                                    "(DeepSpeed refuses the two together too)",
+        "$.zero_optimization.stage3_gather_fp16_weights_on_model_save": "and stage3_gather_16bit_weights_on_model_save"
+                                                                        " name one setting; keep one (DeepSpeed "
+                                                                        "refuses the two together too)"}  # fmt: skip
+
+
+def test_offload_optimizer_takes_effect_at_stage_3_on_several_ranks(tmp_path):
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
+                         world_size=2)  # fmt: skip
+    assert (config.stage, config.offload_device) == (3, "cpu") and stage_problems(config, None, 2) == []
+    alone = load_config(write(tmp_path, {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}))
+    assert stage_problems(alone, 3, 2) == [] and "needs stage 1, 2 or 3" in stage_problems(alone, None, 2)[0][1]
+
+
+def test_a_stage_0_file_run_at_stage_3_decides_its_stage_3_keys_there(tmp_path):
+    config = load_config(write(tmp_path, {"zero_optimization": {"sub_group_size": 1e9,
+                                                                "stage3_prefetch_bucket_size": 100}}))  # fmt: skip
+    assert set(dict(config.ignored)) == {"$.zero_optimization.sub_group_size",
+                                         "$.zero_optimization.stage3_prefetch_bucket_size"}  # fmt: skip
+    notes = stage_notes(config, 3, 2)
+    assert [(role, path) for role, path, _ in notes] == [("ignored", "$.zero_optimization.sub_group_size")]
+
+
+def test_stage_3_given_keys_leave_given_when_ignored(tmp_path):
+    """allgather_partitions is what stages 1-2 do; at stage 3 it is ignored, in one list only."""
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, "allgather_partitions": True,
+                                                                "contiguous_gradients": True}}))  # fmt: skip
+    assert list(dict(config.ignored)) == ["$.zero_optimization.allgather_partitions"]
+    assert list(dict(config.given)) == ["$.zero_optimization.contiguous_gradients"]
 
 
 @pytest.mark.parametrize(
@@ -184,3 +347,31 @@ def test_the_common_zero2_offload_file_trains_two_ranks_in_bf16(tiny_model, tiny
     lrs = [e["learning_rate"] for e in history if "learning_rate" in e]
     # WarmupLR over 3 steps (0.5 of 6), log warmup: step k runs at DeepSpeed's lr of iteration k-1
     assert lrs[0] == 0.0 and lrs[3:] == [lrs[3]] * 3 and lrs[1] < lrs[2] < lrs[3], lrs
+
+
+def test_a_stage_3_file_with_zero_dp_2_is_refused(tmp_path):
+    with pytest.raises(ArgumentError, match="zero_optimization.stage is 3 but --sharded_ddp asks for stage 2"):
+        args_for(tmp_path, offload=str(DATA / "llamafactory_ds_z3_config.json"), sharded_ddp="zero_dp_2")
+
+
+@pytest.mark.parametrize("flags", [{}, {"sharded_ddp": "zero_dp_3"}, {"sharded_ddp": "zero_dp_3 auto_wrap"}])
+def test_a_stage_3_file_runs_at_stage_3_and_names_each_ignored_key_once(tmp_path, caplog, flags):
+    with caplog.at_level("WARNING", logger="trainer_shard.args"):
+        args = args_for(tmp_path, offload=str(DATA / "llamafactory_ds_z3_config.json"), bf16=True, **flags)
+    assert zero_stage(args.offload_config, 3 if flags else None) == 3
+    warned = [re.search(r"(\$\S+) ignored: ", r.getMessage()).group(1) for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["$.fp16", "$.zero_optimization.sub_group_size", "$.zero_optimization.stage3_max_reuse_distance",
+                      "$.zero_optimization.reduce_bucket_size"]
+
+
+def test_parameter_offload_in_a_stage_0_file_run_with_zero_dp_3_is_refused(tmp_path):
+    path = write(tmp_path, {"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    with pytest.raises(ArgumentError, match=re.escape(f"$.zero_optimization.offload_param.device: {PARAM_OFFLOAD_REFUSAL}")):
+        args_for(tmp_path, offload=str(path), sharded_ddp="zero_dp_3")
+
+
+def test_validate_config_shows_the_stage_3_settings():
+    proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "validate-config",
+                           str(DATA / "llamafactory_ds_z3_config.json")], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "  stage: 3 (zero_dp_3)" in proc.stdout.splitlines(), proc.stdout

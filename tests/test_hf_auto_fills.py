@@ -23,11 +23,12 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from trainer_shard.args import ShardedSeq2SeqTrainingArguments
 from trainer_shard.config import load_config
-from trainer_shard.config.apply import hidden_size_fills, scheduler_params
+from trainer_shard.config.apply import hidden_size_fills, scheduler_params, zero3_kwargs
 from trainer_shard.errors import ConfigError
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed"
@@ -185,3 +186,55 @@ def test_refused_as_hugging_face(name, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(config_path(case, tmp_path), training_args=args, world_size=1)
     assert set(keys) <= {path for path, _ in e.value.problems}, e.value
+
+
+# ZeRO-3: tests/data/deepspeed/hf_auto_fills_zero3.json, recorded by bench/record_zero3_fills.py beside
+# it, holds what the integration filled in each stage-3 file and DeepSpeed's own reading of the
+# result (`DeepSpeedZeroConfig`: "auto" left unfilled is its default, two names of one setting are
+# refused). `zero3_kwargs` must give shard_model exactly DeepSpeed's persistence threshold, and
+# its prefetch capped by max_live_parameters; the 16-bit save flag is "as the engine does" where
+# DeepSpeed reads true, and ignored with a warning where it reads false.
+ZERO3 = json.loads((DATA / "hf_auto_fills_zero3.json").read_text())
+
+
+class ConfigOnly(torch.nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.config = transformers.T5Config(d_model=hidden_size)
+
+
+def zero3_config(case, tmp_path):
+    from test_deepspeed_configs import fixed
+
+    data = fixed(DATA / case["config_file"]) if "config_file" in case else {"zero_optimization": dict(case["config"])}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_zero3_record_covers_the_stage_3_files():
+    assert ZERO3["versions"]["transformers"] == "5.24.0"
+    files = {c.get("config_file") for c in ZERO3["cases"]}
+    from test_deepspeed_configs import FILES, stage_of
+
+    stage3 = {p.name for p in FILES if stage_of(p) == 3}
+    assert len(stage3) == 8 and stage3 <= files
+    assert sum("error" in c for c in ZERO3["cases"]) == 1
+
+
+@pytest.mark.parametrize("name", [c["name"] for c in ZERO3["cases"]])
+def test_zero3_settings_as_deepspeed_reads_them(name, tmp_path):
+    case = next(c for c in ZERO3["cases"] if c["name"] == name)
+    path = zero3_config(case, tmp_path)
+    if "error" in case:  # two names of one setting
+        with pytest.raises(ConfigError, match="name one setting; keep one"):
+            load_config(path)
+        return
+    config = load_config(path)
+    resolved = case["resolved"]
+    kwargs = zero3_kwargs(config, ConfigOnly(case["hidden_size"]))
+    assert kwargs == {"persistence_threshold": resolved["param_persistence_threshold"],
+                      "prefetch": min(resolved["prefetch_bucket_size"], resolved["max_live_parameters"])}  # fmt: skip
+    save = [p for p in dict(config.given) | dict(config.ignored) if "weights_on_model_save" in p]
+    if save:
+        assert (save[0] in dict(config.given)) is resolved["gather_16bit_weights_on_model_save"]

@@ -49,6 +49,7 @@ def validate_config_main(argv=None) -> int:
 
 def effective_settings(config, world_size: int) -> list:
     """What a run of `config` does, a setting a line ("auto": filled from the flags at start)."""
+    from .config import apply as config_apply
     from .config.load import run_stage
     from .config.schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 
@@ -56,7 +57,7 @@ def effective_settings(config, world_size: int) -> list:
         return f"auto ({auto_from})" if v in ("auto", None) else v
 
     stage = run_stage(config, None, world_size)
-    names = {None: "none (plain DDP)", 1: "1 (simple)", 2: "2 (zero_dp_2)"}
+    names = {None: "none (plain DDP)", 1: "1 (simple)", 2: "2 (zero_dp_2)", 3: "3 (zero_dp_3)"}
     offload = config.offload_device + (f" at {config.nvme_path}/rank<R>" if config.nvme_path else "")
     lines = [f"stage: {names[stage]}", f"optimizer offload: {offload}",
              f"precision: {'from --fp16/--bf16' if config.precision == 'auto' else config.precision}"]  # fmt: skip
@@ -71,7 +72,9 @@ def effective_settings(config, world_size: int) -> list:
     else:
         lines.append("scheduler: the Trainer's --lr_scheduler_type")
     lines.append(f"gradient clipping: {value(config.gradient_clipping, '--max_grad_norm')}")
-    if stage is not None:
+    if stage == 3:
+        lines += config_apply.zero3_settings(config)
+    elif stage is not None:
         bucket = config.reduce_bucket_size if stage == 2 else config.allgather_bucket_size
         lines.append(f"bucket: {'auto (hidden size squared)' if bucket is None else f'{bucket:,}'} elements")
         lines.append(f"overlap_comm: {str(config.overlap_comm).lower()}")

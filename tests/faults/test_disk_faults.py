@@ -56,12 +56,17 @@ def torchrun(*args):
 
 
 @needs_namespaces
-@pytest.mark.parametrize("fault, says", [("fill_disk", "No space left on device"), ("read_only", "read-only")])
-def test_a_disk_that_fills_or_turns_read_only_mid_run(tiny_model, tiny_data, tmp_path, fault, says):
+@pytest.mark.parametrize("fault, says, sharding", [
+    ("fill_disk", "No space left on device", "zero_dp_2"), ("read_only", "read-only", "zero_dp_2"),
+    # ZeRO-3: rank 0 fails while the ranks gather unit after unit for it; the others must not hang
+    ("fill_disk", "No space left on device", "zero_dp_3 auto_wrap"),
+])  # fmt: skip
+def test_a_disk_that_fills_or_turns_read_only_mid_run(tiny_model, tiny_data, tmp_path, fault, says, sharding):
     mnt, after = tmp_path / "mnt", tmp_path / "after"
     out = mnt / "out"
     env = ["env", f"FAULT={fault}", "FAULT_STEP=3", "FAULT_RANK=0", f"FAULT_MOUNT={mnt}"]
-    [(code, log)] = on_tmpfs(mnt, "8m", [[*env, *torchrun(INJECT, *flags(tiny_model, tiny_data, out))]], copy_to=after)
+    run = flags(tiny_model, tiny_data, out, "--sharded_ddp", sharding)
+    [(code, log)] = on_tmpfs(mnt, "8m", [[*env, *torchrun(INJECT, *run)]], copy_to=after)
     assert code != 0
     errors = re.findall(r"finetune_trainer.py: error: (.*?--resume_from_checkpoint latest)", log)  # ranks' lines may run together
     assert len(errors) == 2, f"each rank should stop with the error\n{log[-4000:]}"

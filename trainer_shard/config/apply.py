@@ -7,6 +7,7 @@
     scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr, args)  # `scheduler`, or None
     scaler = DynamicLossScaler(**loss_scaler_kwargs(config))  # `fp16` loss-scale settings
     sizes = hidden_size_fills(config, model)             # "auto" sizes from the model's hidden size
+    kwargs = zero3_kwargs(config, model)                 # stage 3: shard_model's persistence_threshold, prefetch
 
 The TrainingArguments side (precision flags, DDP bucket size) is applied when the arguments
 are checked (`args._offload_problems`); everything else is read here for `training/`.
@@ -19,11 +20,11 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ..constants import BUCKET_NUMEL
 from ..errors import ConfigError
-from .schema import AUTO
+from .schema import AUTO, STAGE3_ALIASES, STAGE3_MAX_LIVE, STAGE3_PERSISTENCE, STAGE3_PREFETCH
 
 
 def zero_stage(config, stage_from_flags):
-    """The ZeRO stage of this run (1, 2) or None.
+    """The ZeRO stage of this run (1, 2, 3) or None.
 
     `--sharded_ddp` wins when given (the two were checked to agree). Offload on one process with
     stage 0 runs stage 2 on a world of one: the leanest path (gradients go straight into the
@@ -175,3 +176,74 @@ def loss_scaler_kwargs(config) -> dict:
     return {"init_scale": 2.0**config.initial_scale_power, "growth_interval": config.loss_scale_window,
             "min_scale": config.min_loss_scale, "hysteresis": config.hysteresis, "raise_error_at_min_scale": True,
             "consecutive_hysteresis": config.consecutive_hysteresis}  # fmt: skip
+
+
+def zero3_kwargs(config, model) -> dict:
+    """`sharding.zero3.shard_model`'s keyword arguments that the ZeRO-3 keys describe:
+    {"persistence_threshold": int, "prefetch": int}, DeepSpeed's defaults without a config.
+
+    - persistence_threshold: `stage3_param_persistence_threshold` (parameters of at most this many
+      elements stay whole, DeepSpeed's rule); default 100,000; "auto": 10 x hidden size.
+    - prefetch: parameter elements to gather ahead of use (0: none): `stage3_prefetch_bucket_size`
+      (default 50,000,000; "auto": 0.9 x hidden size squared), capped by
+      `stage3_max_live_parameters` (default 1e9), as DeepSpeed prefetches only while fewer are live.
+
+    "auto" is filled as the Hugging Face integration fills it (`hidden_size_fills`), under the
+    stage3_ names only; under the other names it is DeepSpeed's default, as DeepSpeed reads it.
+    `stage3_model_persistence_threshold` is checked against `model`: ConfigError when the
+    parameters kept whole here (those under the threshold, and frozen ones) hold more elements.
+    """
+    zero = (config.raw.get("zero_optimization") if config is not None and isinstance(config.raw, dict) else None) or {}
+    fills = hidden_size_fills(config, model) if config is not None else {}
+    persistence = _stage3_value(zero, "stage3_param_persistence_threshold", STAGE3_PERSISTENCE, fills)
+    prefetch = _stage3_value(zero, "stage3_prefetch_bucket_size", STAGE3_PREFETCH, fills)
+    max_live = _stage3_value(zero, "stage3_max_live_parameters", STAGE3_MAX_LIVE, fills)
+    cap = _stage3_value(zero, "stage3_model_persistence_threshold", None, fills)
+    if cap is not None:
+        _check_model_persistence(model, zero, persistence, cap)
+    return {"persistence_threshold": persistence, "prefetch": min(prefetch, max_live)}
+
+
+def _stage3_value(zero: dict, name: str, default, fills: dict):
+    """The setting `name` as written under any of its names ("auto": `fills`, else the default)."""
+    for written in (name, *STAGE3_ALIASES[name]):
+        if written in zero:
+            value = zero[written]
+            if value == AUTO:
+                return int(fills[written]) if written in fills else default
+            return int(value)  # checked when loaded: a whole number (JSON may write it 1e9)
+    return default
+
+
+def _check_model_persistence(model, zero: dict, threshold: int, cap: int) -> None:
+    """`stage3_model_persistence_threshold` against what the engine keeps whole: every parameter of
+    at most `threshold` elements, and every frozen one (DeepSpeed would shard the rest instead)."""
+    whole = sum(p.numel() for p in model.parameters() if p.numel() <= threshold or not p.requires_grad)
+    if whole > cap:
+        name = next(n for n in ("stage3_model_persistence_threshold", "model_persistence_threshold") if n in zero)
+        message = (f"is {cap:,} elements, but the parameters kept whole on every rank here (those of at most "
+                   f"{threshold:,} elements, stage3_param_persistence_threshold, and the frozen ones) hold {whole:,} in "
+                   f"{type(model).__name__}; raise it or remove it, or lower stage3_param_persistence_threshold")  # fmt: skip
+        raise ConfigError("offload config", [(f"$.zero_optimization.{name}", message)])
+
+
+def zero3_settings(config) -> list:
+    """What the ZeRO-3 keys set, a line each, for `trainer-shard validate-config` ("auto": filled
+    from the model at start)."""
+    zero = (config.raw.get("zero_optimization") if isinstance(config.raw, dict) else None) or {}
+    fills = {"stage3_prefetch_bucket_size": "auto (0.9 x hidden size squared)",
+             "stage3_param_persistence_threshold": "auto (10 x hidden size)"}  # fmt: skip
+
+    def shown(name, default):
+        for written in (name, *STAGE3_ALIASES[name]):
+            if written in zero:
+                value = zero[written]
+                return fills.get(written, f"{default:,}") if value == AUTO else f"{int(value):,}"
+        return f"{default:,}"
+
+    return [f"prefetch: {shown('stage3_prefetch_bucket_size', STAGE3_PREFETCH)} elements ahead, at most "
+            f"{shown('stage3_max_live_parameters', STAGE3_MAX_LIVE)} (stage3_max_live_parameters)",
+            f"persistence threshold: {shown('stage3_param_persistence_threshold', STAGE3_PERSISTENCE)} elements "
+            "(parameters of at most this many stay whole on every rank)",
+            "parameters: sharded between uses, in this process's memory (parameter offload is not in this release)",
+            "save_model: the whole model.safetensors, streamed a unit at a time"]  # fmt: skip

@@ -6,9 +6,11 @@ Checks, in one pass: JSON syntax (with line and column), unknown keys (with clos
 types, ranges, "auto" where it is not allowed, each key's decision (schema.py: a value that
 contradicts what the engine does, or a setting that cannot be honoured, is a problem; ignored
 keys are collected for one warning line each), cross-field rules (nvme needs nvme_path, offload
-needs stage >= 1 or one process...), and, given TrainingArguments, "auto" filled from them as the
-Hugging Face DeepSpeed integration fills it and every explicit value that contradicts them,
-reported with both values. Stage 3 is always the first problem (not in this release).
+needs stage >= 1 or one process, one ZeRO-3 setting under one name...), and, given
+TrainingArguments, "auto" filled from them as the Hugging Face DeepSpeed integration fills it and
+every explicit value that contradicts them, reported with both values. What a key does at the
+run's ZeRO stage (the ZeRO-3 keys above all) is decided once the stage is known: `stage_problems`
+and `stage_notes`.
 
 Hostile input gets the same treatment (tests/faults/test_input_fuzz.py): whatever the bytes, the
 only exception is ConfigError, and every value, key and number in its message is abbreviated, so
@@ -23,10 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from .schema import AUTO, TOP, Key
-
-STAGE3_REFUSAL = ("stage 3 (parameter sharding) is not in this release; use stage 1 or 2 (the stage-3 keys, "
-                  "offload_param and stage3_*, are then ignored with a warning)")  # fmt: skip
+from .schema import AUTO, STAGE3_ALIASES, TOP, Key
 
 
 @dataclass(frozen=True)
@@ -65,17 +64,20 @@ class OffloadConfig:
     ignored: tuple = ()
     # keys accepted as what the engine does anyway: ((json path, what it does), ...)
     given: tuple = ()
-    # ZeRO-3 keys present, ((json path, what they do), ...): ignored at the run's stage (stage_notes)
+    # ZeRO-3 keys present, ((json path, what they mean), ...): decided at the run's stage (stage_notes)
     stage3_keys: tuple = ()
 
     def with_notes(self, notes: list) -> "OffloadConfig":
-        """This config with more (role, path, why) notes, each path once."""
+        """This config with more (role, path, why) notes, each path once: a path noted "ignored"
+        leaves "given", and the other way round (a key that does nothing at the run's stage)."""
+        new = {role: {path: why for r, path, why in notes if r == role} for role in ("ignored", "given", "stage3")}
 
-        def merged(role, old):
-            return tuple((dict(old) | {path: why for r, path, why in notes if r == role}).items())
+        def merged(role, old, other=None):
+            moved = new[other] if other else {}
+            return tuple(({path: why for path, why in old if path not in moved} | new[role]).items())
 
-        return replace(self, ignored=merged("ignored", self.ignored), given=merged("given", self.given),
-                       stage3_keys=merged("stage3", self.stage3_keys))  # fmt: skip
+        ignored, given = merged("ignored", self.ignored, "given"), merged("given", self.given, "ignored")
+        return replace(self, ignored=ignored, given=given, stage3_keys=merged("stage3", self.stage3_keys))
 
 
 def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
@@ -89,6 +91,10 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
     bad = {path for path, _ in problems}
     combination = []
     _cross_field(tree, world_size, combination)
+    _stage3_names(data, combination)
+    if tree["zero_optimization"]["stage"] == 3:  # the file's own stage: refused stage-3 keys are told at once
+        stage3 = [path for role, path, _ in notes if role == "stage3"]
+        combination += _stage3_refusals(_stage3_present(stage3, data))
     if isinstance(data, dict) and "inference" in data:
         _inference_rules(tree["inference"], world_size, combination)
     # a rule over a key that is already wrong would only repeat it (its default stood in)
@@ -98,8 +104,6 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
         if "inference" in data and getattr(training_args, "do_train", False):
             problems.append(("$.inference", "applies to evaluation and prediction without --do_train (the model is "
                              "loaded across devices and disk); train without it, then evaluate with it"))  # fmt: skip
-    if tree["zero_optimization"]["stage"] == 3:  # first, whatever else is wrong; its keys need no line of their own
-        problems = [("$.zero_optimization.stage", STAGE3_REFUSAL), *problems]
     if problems:
         raise ConfigError(source, problems)
     notes += _fp16_notes(tree, data)
@@ -274,9 +278,12 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
 
 
 def _check_value(value, spec: Key, path: str, problems: list, notes: list):
-    if spec.role in ("ignored", "stage3"):  # whether a stage-3 key is ignored depends on the stage
+    if spec.role == "ignored":
         notes.append((spec.role, path, spec.help))
         return value
+    if spec.role == "stage3":  # checked as DeepSpeed checks it; what it does depends on the stage (stage_notes)
+        notes.append((spec.role, path, spec.help))
+        return value if spec.kind == "any" else _check_value(value, replace(spec, role="effect"), path, problems, notes)
     if spec.role == "refused":
         problems.append((path, spec.help))
         return None
@@ -549,6 +556,18 @@ def _cross_field(tree: dict, world_size: int, problems: list) -> None:
         problems.append(("$.optimizer.params.adam_w_mode", 'false means L2 weight decay, which AdamW is not; use type "Adam"'))
 
 
+def _stage3_names(data, problems: list) -> None:
+    """Two names of one ZeRO-3 setting (`stage3_prefetch_bucket_size` and `prefetch_bucket_size`)
+    in one file: DeepSpeed refuses them together too, whatever the values."""
+    written = data.get("zero_optimization") if isinstance(data, dict) else None
+    if not isinstance(written, dict):
+        return
+    for name, others in STAGE3_ALIASES.items():
+        present = [n for n in (name, *others) if n in written]
+        problems += [(f"$.zero_optimization.{n}", f"and {present[0]} name one setting; keep one (DeepSpeed refuses "
+                      "the two together too)") for n in present[1:]]  # fmt: skip
+
+
 def run_stage(config: "OffloadConfig", stage, world_size: int = 1):
     """The ZeRO stage a run of `config` has: `stage` (from `--sharded_ddp`) when given, else the
     config's own (offload on one process runs stage 2); None without sharding."""
@@ -559,19 +578,78 @@ def run_stage(config: "OffloadConfig", stage, world_size: int = 1):
 
 def stage_problems(config: "OffloadConfig", stage, world_size: int = 1) -> list:
     """What the run's ZeRO stage cannot do with this config. `stage` as for `run_stage`."""
-    if run_stage(config, stage, world_size) is None and config.offload_device != "none":
-        return [("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1 or 2 (or "
-                 "--sharded_ddp simple|zero_dp_2), so that each rank offloads its own shard")]  # fmt: skip
-    return []
+    stage = run_stage(config, stage, world_size)
+    if stage is None and config.offload_device != "none":
+        return [("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1, 2 or 3 (or "
+                 "--sharded_ddp simple|zero_dp_2|zero_dp_3), so that each rank offloads its own shard")]  # fmt: skip
+    if stage != 3:
+        return []
+    return _stage3_refusals(_stage3_present([path for path, _ in config.stage3_keys], config.raw))
+
+
+def _stage3_refusals(present) -> list:
+    return [(path, key.stage3_why) for path, key, value in present
+            if key.at_stage3 == "refused" and not _one_of(value, key.stage3_given)]  # fmt: skip
+
+
+def _stage3_present(paths: list, raw) -> list:
+    """(path, Key, value) of each ZeRO-3 key at `paths` (`$.a.b`) in the file `raw`: its value as
+    written, or "auto" as DeepSpeed reads it (its default; the sizes the Hugging Face integration
+    fills from the model take effect either way)."""
+    out = []
+    for path in paths:
+        key, value = TOP, raw
+        for name in path.split(".")[1:]:
+            key, value = (key.children if isinstance(key, Key) else key)[name], value[name]
+        out.append((path, key, key.default if value == AUTO and isinstance(value, str) else value))
+    return out
+
+
+# stage 1-2 keys that do nothing at stage 3: what the engine does there instead
+_NOT_AT_STAGE3 = {
+    "reduce_bucket_size": "at stage 3 each unit's gradients are reduced as one bucket (the unit's flat buffer) once "
+                          "its backward is done",
+    "allgather_bucket_size": "at stage 3 each unit is gathered whole (its flat buffer) before its use, and ahead of it "
+                             "as stage3_prefetch_bucket_size allows",
+    "allgather_partitions": "a stage 1-2 setting: at stage 3 nothing is all-gathered after the step (each unit is "
+                            "gathered before its use)",
+}  # fmt: skip
+
+
+def _stage3_notes(config: "OffloadConfig") -> list:
+    """What each ZeRO-3 key, and each stage 1-2 key, does at stage 3: (role, path, why) notes."""
+    notes = []
+    for path, key, value in _stage3_present([path for path, _ in config.stage3_keys], config.raw):
+        if key.kind == "object":  # offload_param: its keys decide
+            continue
+        if _one_of(value, key.stage3_given):
+            refusing = key.at_stage3 == "refused"  # its why is the refusal: say what this value is
+            notes.append(("given", path, f"{key.help}: {_describe(value)} is what the engine does" if refusing
+                          else key.stage3_why))  # fmt: skip
+        elif key.at_stage3 in ("ignored", "given"):
+            notes.append((key.at_stage3, path, key.stage3_why))
+    zero = config.raw.get("zero_optimization", {}) if isinstance(config.raw, dict) else {}
+    notes += [("ignored", f"$.zero_optimization.{key}", why) for key, why in _NOT_AT_STAGE3.items() if key in zero]
+    if zero.get("overlap_comm") is False:
+        notes.append(("ignored", "$.zero_optimization.overlap_comm", "false applies to stage 2; at stage 3 each unit's "
+                      "gradients are reduced as soon as its backward is done"))  # fmt: skip
+    if "disable_allgather" in config.raw:
+        notes.append(("ignored", "$.disable_allgather", "a stage 1-2 setting: at stage 3 nothing is all-gathered after "
+                      "the step"))  # fmt: skip
+    return notes
 
 
 def stage_notes(config: "OffloadConfig", stage, world_size: int = 1, precision: str | None = None) -> list:
     """Keys that mean something only at other ZeRO stages: (role, path, why) notes, ignored with a
     warning, as DeepSpeed ignores them. `stage` as for `run_stage`; `precision` the run's, if known."""
     stage = run_stage(config, stage, world_size)
+    if stage == 3:
+        return _stage3_notes(config)
     zero = config.raw.get("zero_optimization", {}) if isinstance(config.raw, dict) else {}
     at = f"stage {stage}" if stage else "a run without sharding (stage 0, no offload)"
-    notes = [("ignored", path, f"{why}; not used in {at}") for path, why in config.stage3_keys]
+    sections = [path for path, _ in config.stage3_keys]  # a section's keys go in its own line
+    notes = [("ignored", path, f"{why}; not used in {at}") for path, why in config.stage3_keys
+             if not any(path.startswith(f"{other}.") for other in sections)]  # fmt: skip
     if stage is None:
         for key in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm"):
             if key in zero:

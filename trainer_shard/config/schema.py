@@ -8,15 +8,19 @@ Each key is a `Key` with its type, bounds, default, a line of help and its `role
   is refused, naming the key;
 - "ignored": diagnostics, logging, or the settings of another system: accepted, and each one
   present is named in one warning line with `help` (the reason);
-- "stage3": ZeRO-3 settings: refused at stage 3 (not in this release: one problem says so, first),
-  ignored with a warning at the stages that do not use them, as DeepSpeed does;
+- "stage3": ZeRO-3 settings, ignored with a warning at stages 0-2, as DeepSpeed ignores them; at
+  stage 3 a value in `stage3_given` is as the engine does, and any other value has the decision
+  `at_stage3` (effect, given, ignored or refused), `stage3_why` saying why. Where the Hugging Face
+  integration leaves "auto" in them, DeepSpeed drops it: the key's `default` (DeepSpeed's) is
+  decided instead. The keys of a stage-3 object (`offload_param`) carry their own decisions at
+  stage 3; at 0-2 the object is one warning line.
 - "refused": a setting whose meaning cannot be honoured here; `help` says why and what to do.
 
 `configs/README.md` documents every key with its decision. A key in no schema (a typo) is an
 error with close names suggested, never silently ignored.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..constants import BUCKET_NUMEL, DTYPE_NAMES, PRECISIONS
 
@@ -36,6 +40,9 @@ class Key:
     children: dict = field(default_factory=dict)  # for objects
     length: int | None = None  # for floats (a fixed-length list of numbers)
     role: str = "effect"  # effect | given | ignored | stage3 | refused: see the module docstring
+    at_stage3: str = ""  # role "stage3": the decision at stage 3 for a value outside `stage3_given`
+    stage3_given: tuple = ()  # role "stage3": the values that are what the engine does at stage 3
+    stage3_why: str = ""  # role "stage3": what the engine does at stage 3, and so why
 
     @property
     def auto_is_a_value(self) -> bool:
@@ -58,9 +65,12 @@ def ignored(why: str, default=None) -> Key:
     return Key("any", why, default, role="ignored")
 
 
-def stage3(why: str, default=None) -> Key:
-    """A ZeRO-3 setting (see the module docstring)."""
-    return Key("any", why, default, role="stage3")
+def stage3(kind: str, meaning: str, at_stage3: str, why: str, given_values: tuple = (), **kwargs) -> Key:
+    """A ZeRO-3 setting (see the module docstring): `meaning` is DeepSpeed's; at stage 3 a value in
+    `given_values` is as the engine does, any other has the decision `at_stage3`, for `why`.
+    "auto" is accepted as DeepSpeed accepts it (its config drops "auto": the default)."""
+    return Key(kind, f"{_STAGE3}: {meaning}", role="stage3", at_stage3=at_stage3, stage3_why=why,
+               stage3_given=given_values, auto=kwargs.pop("auto", kind not in ("object", "any")), **kwargs)  # fmt: skip
 
 
 def refused(why: str) -> Key:
@@ -88,18 +98,113 @@ OFFLOAD_OPTIMIZER = {
 
 _STAGE3 = "a ZeRO-3 (parameter sharding) setting"
 
+PARAM_OFFLOAD_REFUSAL = ("offload_param (parameters in CPU RAM or on disk) is not in this release; remove it, or set "
+                         "its device to none; offload_optimizer works at stage 3")  # fmt: skip
+_PARAM_STORE_UNUSED = ("not used: the parameters stay in this process's memory (device none; parameter offload is "
+                       "not in this release)")  # fmt: skip
+
 OFFLOAD_PARAM = {
-    "device": stage3(f"{_STAGE3}: where the 16-bit parameter shards live"),
-    "nvme_path": stage3(f"{_STAGE3}: folder for the parameter store"),
-    "buffer_count": stage3(f"{_STAGE3}: parameter buffers in flight"),
-    "buffer_size": stage3(f"{_STAGE3}: elements a parameter buffer"),
-    "max_in_cpu": stage3(f"{_STAGE3}: parameter elements kept in CPU RAM with device nvme"),
-    "pin_memory": stage3(f"{_STAGE3}: page-locked parameter buffers"),
+    "device": stage3("choice", "where the parameter shards live between uses", "refused", PARAM_OFFLOAD_REFUSAL,
+                     ("none",), default="none", choices=("none", "cpu", "nvme")),
+    "nvme_path": stage3("str", "folder for the parameter store (device nvme)", "ignored", _PARAM_STORE_UNUSED),
+    "buffer_count": stage3("int", "parameter buffers in flight (device nvme)", "ignored", _PARAM_STORE_UNUSED,
+                           default=5, minimum=0),
+    "buffer_size": stage3("int", "elements a parameter buffer holds (device nvme)", "ignored", _PARAM_STORE_UNUSED,
+                          default=100_000_000, minimum=0),
+    "max_in_cpu": stage3("int", "parameter elements kept in CPU RAM (device nvme)", "ignored", _PARAM_STORE_UNUSED,
+                         default=1_000_000_000, minimum=0),
+    "pin_memory": stage3("bool", "page-locked parameter buffers", "ignored", _PARAM_STORE_UNUSED, default=True),
 }
 
+STAGE3_PREFETCH = 50_000_000  # DeepSpeed's default stage3_prefetch_bucket_size
+STAGE3_PERSISTENCE = 100_000  # DeepSpeed's default stage3_param_persistence_threshold (= sharding.zero3's)
+STAGE3_MAX_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters
+
+_ONE_GATHER = "each unit is gathered with one all-gather of its flat buffer"
+
+# the ZeRO-3 keys under their stage3_ names; DeepSpeed reads each under its other names too
+_STAGE3_KEYS = {
+    "stage3_prefetch_bucket_size": stage3(
+        "int", "elements gathered ahead of use", "effect",
+        "the units that follow in the recorded order are gathered ahead while their elements stay within it (at "
+        'least the next unit when above 0; 0: no prefetch); "auto": 0.9 x hidden size squared, as the Hugging Face '
+        "integration fills it", default=STAGE3_PREFETCH, minimum=0),
+    "stage3_param_persistence_threshold": stage3(
+        "int", "parameters of at most this many elements stay whole on every rank", "effect",
+        "they are not sharded: every rank keeps them whole, and their gradients are all-reduced; \"auto\": 10 x "
+        "hidden size, as the Hugging Face integration fills it", default=STAGE3_PERSISTENCE, minimum=0),
+    "stage3_model_persistence_threshold": stage3(
+        "int", "most elements kept whole by stage3_param_persistence_threshold, in all", "given",
+        "every parameter of at most the persistence threshold (and every frozen one) stays whole, however many: a "
+        "value below their total for the model is refused once the model is known", minimum=0),
+    "stage3_max_live_parameters": stage3(
+        "int", "most gathered parameter elements alive at once", "effect",
+        "caps the prefetch: at most this many elements are gathered ahead (DeepSpeed prefetches only while fewer are "
+        "gathered); the running unit is gathered whatever the cap, as in DeepSpeed, and freed right after its use",
+        default=STAGE3_MAX_LIVE, minimum=0),
+    "stage3_max_reuse_distance": stage3(
+        "int", "parameters used again within this many elements stay gathered", "ignored",
+        "each unit is freed as soon as its forward or its backward is done and gathered again at its next use, as "
+        "DeepSpeed does with 0: less memory for one more gather, the same results", (0,), default=1_000_000_000,
+        minimum=0),
+    "stage3_gather_16bit_weights_on_model_save": stage3(
+        "bool", "gather the whole model to write its weights at save_model", "ignored",
+        "DeepSpeed writes the weights at save_model only with true (false, or \"auto\" as accelerate fills it by "
+        "default: only its checkpoint's shards); save_model here always writes the whole model.safetensors, streamed a "
+        "unit at a time (no rank holds the whole model)", (True,), default=False),
+    "stage3_module_granularity_threshold": stage3(
+        "int", "fetch the parameters of modules finer than this together", "ignored",
+        "each unit (a class --sharded_ddp auto_wrap picks, or the whole model) is gathered whole, one flat buffer, "
+        "however fine its modules", default=0),
+    "stage3_use_all_reduce_for_fetch_params": stage3(
+        "bool", "fetch parameters with an all-reduce instead of an all-gather", "ignored", _ONE_GATHER, (False,),
+        default=False),
+    "stage3_allgather_sequential": stage3(
+        "bool", "gather parameters one at a time, without a bucket", "ignored", _ONE_GATHER, (False,), default=False),
+    "stage3_partition_stream_chunk_size": stage3(
+        "int", "partition large parameters in chunks of this many elements while loading", "ignored",
+        "the model is sharded once, a unit at a time, after it is loaded"),
+}  # fmt: skip
+
+STAGE3_ALIASES = {
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size",),
+    "stage3_param_persistence_threshold": ("param_persistence_threshold",),
+    "stage3_model_persistence_threshold": ("model_persistence_threshold",),
+    "stage3_max_live_parameters": ("max_live_parameters",),
+    "stage3_max_reuse_distance": ("max_reuse_distance",),
+    "stage3_gather_16bit_weights_on_model_save": ("stage3_gather_fp16_weights_on_model_save",
+                                                  "gather_16bit_weights_on_model_save"),
+    "stage3_module_granularity_threshold": ("module_granularity_threshold",),
+    "stage3_use_all_reduce_for_fetch_params": ("use_all_reduce_for_fetch_params",),
+    "stage3_allgather_sequential": ("allgather_sequential",),
+    "stage3_partition_stream_chunk_size": ("partition_stream_chunk_size",),
+}  # fmt: skip
+"""Each ZeRO-3 setting's other names (DeepSpeed reads the field name and the stage3_ alias alike,
+and the fp16 one as the old name of the 16-bit one)."""
+
+_FILLED_BY_HF = ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+
+
+def _other_name(name: str, other: str) -> Key:
+    key = _STAGE3_KEYS[name]
+    why = f"as {name}"
+    if name in _FILLED_BY_HF:
+        why += (f'; "auto" under this name is DeepSpeed\'s default (the Hugging Face integration fills only {name})')
+    old = "old" if "fp16" in other else "other"
+    return replace(key, help=f"{_STAGE3}: {old} name of {name}", stage3_why=why)
+
+
+def _stage3_keys() -> dict:
+    out = {}
+    for name, key in _STAGE3_KEYS.items():
+        out[name] = key
+        out |= {other: _other_name(name, other) for other in STAGE3_ALIASES[name]}
+    return out
+
+
 ZERO_OPTIMIZATION = {
-    "stage": Key("int", "0: no sharding, 1: optimizer state sharded (simple), 2: gradients too (zero_dp_2); 3 "
-                 "(parameters too) is not in this release", 0, minimum=0, maximum=3),
+    "stage": Key("int", "0: no sharding, 1: optimizer state sharded (simple), 2: gradients too (zero_dp_2), 3: "
+                 "parameters too (zero_dp_3)", 0, minimum=0, maximum=3),
     "offload_optimizer": Key("object", "the offload store", children=OFFLOAD_OPTIMIZER),
     "cpu_offload": Key("bool", "old form of offload_optimizer.device = cpu", False),
     "reduce_bucket_size": Key("int", 'elements per gradient bucket; "auto": hidden size squared, as the Hugging Face '
@@ -123,34 +228,36 @@ ZERO_OPTIMIZATION = {
                                 (False, True)),
     "ignore_unused_parameters": given("bool", "parameters that get no gradient in a step are skipped", (True,)),
     "legacy_stage1": given("bool", "DeepSpeed's old stage-1 implementation", (False,)),
-    "sub_group_size": stage3(f"{_STAGE3}: elements the optimizer steps at a time"),
-    "offload_param": stage3(f"{_STAGE3}: where the parameter shards live"),
-    "cpu_offload_param": stage3(f"{_STAGE3}: old form of offload_param.device = cpu"),
-    "cpu_offload_use_pin_memory": stage3(f"{_STAGE3}: old form of offload_param.pin_memory"),
-    "stage3_prefetch_bucket_size": stage3(f'{_STAGE3}: elements fetched ahead; "auto": 0.9 x hidden size squared'),
-    "prefetch_bucket_size": stage3(f"{_STAGE3}: other name of stage3_prefetch_bucket_size"),
-    "stage3_param_persistence_threshold": stage3(f'{_STAGE3}: parameters smaller than this stay whole on every rank; '
-                                                 '"auto": 10 x hidden size'),
-    "param_persistence_threshold": stage3(f"{_STAGE3}: other name of stage3_param_persistence_threshold"),
-    "stage3_model_persistence_threshold": stage3(f"{_STAGE3}: most elements kept whole in all"),
-    "model_persistence_threshold": stage3(f"{_STAGE3}: other name of stage3_model_persistence_threshold"),
-    "stage3_max_live_parameters": stage3(f"{_STAGE3}: most gathered parameters alive at once"),
-    "max_live_parameters": stage3(f"{_STAGE3}: other name of stage3_max_live_parameters"),
-    "stage3_max_reuse_distance": stage3(f"{_STAGE3}: keep a gathered parameter this many elements ahead of its reuse"),
-    "max_reuse_distance": stage3(f"{_STAGE3}: other name of stage3_max_reuse_distance"),
-    "stage3_gather_16bit_weights_on_model_save": stage3(f"{_STAGE3}: gather the whole model to save it"),
-    "stage3_gather_fp16_weights_on_model_save": stage3(f"{_STAGE3}: old name of "
-                                                       "stage3_gather_16bit_weights_on_model_save"),
-    "gather_16bit_weights_on_model_save": stage3(f"{_STAGE3}: other name of "
-                                                 "stage3_gather_16bit_weights_on_model_save"),
-    "stage3_module_granularity_threshold": stage3(f"{_STAGE3}: fetch small modules together"),
-    "module_granularity_threshold": stage3(f"{_STAGE3}: other name of stage3_module_granularity_threshold"),
-    "stage3_use_all_reduce_for_fetch_params": stage3(f"{_STAGE3}: fetch parameters by all-reduce"),
-    "use_all_reduce_for_fetch_params": stage3(f"{_STAGE3}: other name of stage3_use_all_reduce_for_fetch_params"),
-    "memory_efficient_linear": stage3(f"{_STAGE3}: DeepSpeed's own linear layer"),
-    "pipeline_loading_checkpoint": stage3(f"{_STAGE3}: load a checkpoint while partitioning"),
-    "override_module_apply": stage3(f"{_STAGE3}: gather parameters for nn.Module.apply"),
-    "log_trace_cache_warnings": stage3(f"{_STAGE3}: warnings of the prefetch trace"),
+    "sub_group_size": stage3("int", "elements of the fp32 shard the optimizer steps at a time", "ignored",
+                             "the optimizer steps the shard here in chunks of its own (the offload store's, or the "
+                             "whole shard on the device); the update is the same element by element",
+                             default=1_000_000_000, minimum=0),
+    "offload_param": stage3("object", "where the parameter shards live", "effect", "decided key by key",
+                            children=OFFLOAD_PARAM),
+    "cpu_offload_param": stage3("bool", "old form of offload_param.device = cpu", "refused",
+                                f"is the old form of offload_param.device = cpu: {PARAM_OFFLOAD_REFUSAL}", (False,),
+                                default=False),
+    "cpu_offload_use_pin_memory": stage3("bool", "old form of the pin_memory of offload_param and offload_optimizer",
+                                         "ignored", "deprecated in DeepSpeed, where it sets nothing any more; "
+                                         "pin_memory belongs in offload_optimizer"),
+    **_stage3_keys(),
+    "memory_efficient_linear": stage3("bool", "DeepSpeed's linear layer that keeps no weight for backward (under "
+                                      "zero.Init)", "ignored", "modules run their own forward here; a unit's weights "
+                                      "are gathered again for its backward", default=True),
+    "pipeline_loading_checkpoint": stage3("bool", "load a checkpoint into the shards while they are made", "ignored",
+                                          "the model is loaded whole on each rank, then sharded unit by unit",
+                                          (False,), default=False),
+    "override_module_apply": stage3("bool", "gather parameters for nn.Module.apply under zero.Init", "ignored",
+                                    "the model is built and initialized whole, then sharded, so apply sees whole "
+                                    "parameters", default=True),
+    "log_trace_cache_warnings": stage3("bool", "warn when the recorded module order is invalidated", "ignored",
+                                       "diagnostics of DeepSpeed's prefetch trace", default=False),
+    "save_muon_momentum_buffer_in_memory": stage3("bool", "Muon's momentum in memory with NVMe offload", "ignored",
+                                                  "a Muon setting; the optimizers here are AdamW, Adam and SGD",
+                                                  default=False),
+    "leaf_module": stage3("any", "modules gathered whole, without hooks on their children", "ignored",
+                          "each unit here (a class --sharded_ddp auto_wrap picks) is gathered whole, with its "
+                          "children"),
     "zero_hpz_partition_size": given("int", "ZeRO++ hierarchical partitioning (a secondary shard per node) is not "
                                      "done here; 1 is the only value", (1,)),
     "zero_quantized_weights": given("bool", "ZeRO++ quantized weight all-gather is not done here", (False,)),
@@ -166,12 +273,6 @@ ZERO_OPTIMIZATION = {
     "enable_sanity_checks": ignored("DeepSpeed's internal debug checks"),
     "zenflow": refused("ZenFlow's selective, delayed updates change the optimizer step and are not done here; remove "
                        "the section"),
-    "stage3_allgather_sequential": stage3(f"{_STAGE3}: gather parameters one at a time"),
-    "allgather_sequential": stage3(f"{_STAGE3}: other name of stage3_allgather_sequential"),
-    "stage3_partition_stream_chunk_size": stage3(f"{_STAGE3}: partition large parameters in chunks at load"),
-    "partition_stream_chunk_size": stage3(f"{_STAGE3}: other name of stage3_partition_stream_chunk_size"),
-    "save_muon_momentum_buffer_in_memory": stage3(f"{_STAGE3}: Muon momentum with NVMe offload"),
-    "leaf_module": stage3(f"{_STAGE3}: modules gathered whole, without hooks on their children"),
 }
 
 OPTIMIZER_PARAMS = {

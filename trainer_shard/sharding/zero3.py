@@ -9,7 +9,7 @@ A *unit* is a wrapped module (every instance of the given classes, or the given 
 model itself is always the root unit). Each parameter belongs to the innermost unit holding
 every module that registers it, so a tied parameter (T5's shared embedding, used by both stacks and
 by lm_head) stays one parameter, in the outermost unit that contains all its users. Parameters
-with fewer than `persistence_threshold` elements (and frozen ones) stay whole on every rank
+with at most `persistence_threshold` elements (and frozen ones) stay whole on every rank
 ("persistent"): their gradients are all-reduced (averaged) at the end of backward and the
 optimizer steps them, identically, on every rank.
 
@@ -71,8 +71,8 @@ from .partition import plan_layout
 from .reducer import GradReducer
 
 PERSISTENCE_THRESHOLD = 100_000
-"""Parameters with fewer elements stay whole on every rank (DeepSpeed's
-`stage3_param_persistence_threshold` default)."""
+"""Parameters of at most this many elements stay whole on every rank (DeepSpeed's
+`stage3_param_persistence_threshold` default; DeepSpeed too keeps `numel <= threshold` whole)."""
 
 
 def _in_backward() -> bool:
@@ -303,8 +303,10 @@ class FlatParams:
 class Unit:
     """A wrapped module's sharded parameters, one `FlatParams` per param group key."""
 
-    def __init__(self, module, parts: list, all_trainable: bool):
+    def __init__(self, module, parts: list, all_trainable: bool, name: str = "", check=None):
         self.module, self.parts, self.all_trainable = module, parts, all_trainable
+        self.name = name or type(module).__name__
+        self.check = check  # called before each gather this unit starts: [Note: diverging calls]
         self.params = [p for part in parts for p in part.params]
         self.numel = sum(p.numel() for p in self.params)
         self.holds = 0  # `ShardedModel.gathered` blocks (and wrapped methods) holding it
@@ -316,6 +318,8 @@ class Unit:
         return any(part.gathered or part.pending is not None for part in self.parts)
 
     def start_gather(self) -> None:
+        if self.check is not None and not self.gathered:
+            self.check(self)
         for part in self.parts:
             part.start_gather()
 
@@ -334,7 +338,7 @@ class ShardedModel:
     """The ZeRO-3 state of a model; see the module docstring. Built by `shard_model`."""
 
     def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch,
-                 group_fn=None, gather_pool: bool = True, reduce_dtype=None):  # fmt: skip
+                 group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True):  # fmt: skip
         self.model, self.group, self.prefetch = model, group, prefetch
         self.reduce_dtype = reduce_dtype
         self.rank, self.world_size = comm.rank_and_size(group)
@@ -346,19 +350,23 @@ class ShardedModel:
         key_of = {p: (group_fn(names[p], p) if group_fn else None) for p in owner}
         by_unit = {id(m): {} for m in unit_modules}  # unit -> (key, dtype) -> params, in model order
         for p, unit_module in owner.items():
-            if p.numel() < persistence_threshold or not p.requires_grad:
+            if p.numel() <= persistence_threshold or not p.requires_grad:
                 self.persistent.append(p)
                 self.persistent_keys.append(key_of[p])
             else:
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype), []).append(p)
         frozen_users = _units_using_frozen(model, unit_modules)
         self.pool = GatherPool(gather_pool)
+        module_names = {id(m): name for name, m in model.named_modules()}
+        self.gathers = 0  # unit gathers started, counted alike on every rank: [Note: diverging calls]
+        check = self._check_same_call if self.world_size > 1 and check_calls else None
         for module in unit_modules:  # the root last in the list: see `_unit_modules`
             if not by_unit[id(module)]:
                 continue
             parts = [FlatParams(ps, [names[p] for p in ps], key, self.rank, self.world_size, group, self.pool)
                      for (key, _), ps in by_unit[id(module)].items()]  # fmt: skip
-            self.units.append(Unit(module, parts, id(module) not in frozen_users))
+            name = module_names.get(id(module)) or "the model"
+            self.units.append(Unit(module, parts, id(module) not in frozen_users, name, check))
         self.root = next((u for u in self.units if u.module is model), None)
         self.parts = [part for unit in self.units for part in unit.parts]
         with torch.no_grad():
@@ -582,6 +590,28 @@ class ShardedModel:
         for ahead in self._ahead(unit, self._prev):  # backward runs the forward order in reverse
             ahead.start_gather()
 
+    def _check_same_call(self, unit) -> None:
+        """[Note: diverging calls] Ranks that run their modules a different number of times (a
+        module called on one rank only, generate() without synced_gpus, data-dependent routing)
+        would pair one unit's gather on one rank with another unit's on the next, silently
+        mixing weights when the sizes agree, and aborting the process in gloo (SIGABRT) when they
+        do not. So before each gather the ranks exchange (unit, count) first, 16 bytes in one
+        small all-gather, and all raise the same error naming both sides if they differ.
+        Measured cost: bench/results/zero3.md. Collective."""
+        header = torch.tensor([self.units.index(unit), self.gathers], dtype=torch.int64, device=unit.parts[0].buffer.device)
+        everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=header.device)
+        with record_function("trainer_shard::zero3_check_calls"):
+            comm.all_gather(everyone, header, self.group)
+        self.gathers += 1
+        seen = everyone.view(-1, 2).tolist()
+        if all(pair == seen[0] for pair in seen):
+            return
+        said = "; ".join(f"rank {r}: {self.units[i].name if 0 <= i < len(self.units) else i!r} (gather {n + 1})"
+                         for r, (i, n) in enumerate(seen))  # fmt: skip
+        raise ShardingError(f"ZeRO-3: the ranks ran different modules, so their gathers no longer pair up ({said}); "
+                            "every rank must call the same modules the same number of times (generate() with "
+                            "synced_gpus=True; no module run on some ranks only)")  # fmt: skip
+
     def _ahead(self, unit, following: dict):
         """The units to prefetch when `unit` starts: the next one with `prefetch` True, else the
         following ones while their elements add up to at most `prefetch` (at least one if > 0)."""
@@ -632,14 +662,15 @@ def sharded_part(param):
 
 
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
-                prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None) -> ShardedModel:  # fmt: skip
+                prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None,
+                check_calls: bool = True) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the module docstring. Collective.
 
     Args:
         model: the model, with the same weights on every rank (seed it, or load the same file).
         units: module classes (every instance is a unit) or modules; default: the model alone.
         group: the process group (default: the world).
-        persistence_threshold: parameters with fewer elements stay whole on every rank.
+        persistence_threshold: parameters of at most this many elements stay whole on every rank.
         prefetch: True: start gathering the next unit (in the recorded forward order) as one
             starts; an int: the following units while their elements add up to at most that
             many (at least the next one); 0 or False: no prefetch.
@@ -651,13 +682,15 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
             within noise; the pool keeps its buffers between steps (`pool.clear()` frees them).
         reduce_dtype: the dtype gradients are summed over ranks in (default: as ZeRO-2's
             `GradReducer`, the parameters' up to 8 ranks).
+        check_calls: before each gather, check that every rank gathers the same unit (see
+            [Note: diverging calls]); False saves one small collective per gather.
     """
     if int(persistence_threshold) < 0:
         raise ShardingError(f"persistence_threshold must be 0 or more, got {persistence_threshold}")
     if not isinstance(prefetch, bool) and int(prefetch) < 0:
         raise ShardingError(f"prefetch must be True, False or a number of elements >= 0, got {prefetch}")
     return ShardedModel(model, _unit_modules(model, units), group, int(persistence_threshold), prefetch, group_fn,
-                        gather_pool, reduce_dtype)
+                        gather_pool, reduce_dtype, check_calls)
 
 
 def _unit_modules(model, units) -> list:

@@ -74,16 +74,16 @@ def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     options = getattr(args, "sharded_ddp", None) or []
     auto_wrap = ShardedDDPOption.AUTO_WRAP in options or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options)
     units, how = unit_modules(model, auto_wrap)
-    kwargs = {"persistence_threshold": PERSISTENCE_THRESHOLD, "prefetch": True}
-    zero3_kwargs = getattr(config_apply, "zero3_kwargs", None)
-    if config is not None and zero3_kwargs is not None:
-        kwargs.update(zero3_kwargs(config, model))
+    if config is not None:  # DeepSpeed's keys and defaults (prefetch: 5e7 elements ahead)
+        kwargs = config_apply.zero3_kwargs(config, model)
+    else:  # the flags alone: prefetch one unit ahead (bench/results/zero3.md measures this)
+        kwargs = {"persistence_threshold": PERSISTENCE_THRESHOLD, "prefetch": True}
     reduce = config.communication_data_type if config is not None else None
     decay = set(decay_names)
     sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
                           reduce_dtype=dtypes.DTYPES.get(reduce), **kwargs)  # fmt: skip
     if args.process_index == 0:
-        logger.info("zero_dp_3: %s; parameters under %d elements stay whole on every rank", how,
+        logger.info("zero_dp_3: %s; parameters of at most %d elements stay whole on every rank", how,
                     kwargs["persistence_threshold"])  # fmt: skip
     return sharded
 
