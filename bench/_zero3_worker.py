@@ -116,15 +116,15 @@ def setup(row: str, model):
                     **{f"engine_{k}": v for k, v in shards.items() if isinstance(v, int)}}  # fmt: skip
 
         return model, step, param_bytes, notes
-    if row == "zero3":
-        from trainer_shard.sharding import shard_model
+    if row == "zero3":  # what the Trainer's --sharded_ddp "zero_dp_3 auto_wrap" builds
+        from trainer_shard.sharding import ShardedOptimizer, shard_model
 
         sharded = shard_model(model, units=[T5Block])
-        opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=3, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
 
         def step(loss):
             loss.backward()
-            sharded.clip_grad_norm_(CLIP)
+            opt.clip_grad_norm(CLIP)
             opt.step()
             opt.zero_grad()
 

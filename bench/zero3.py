@@ -39,7 +39,7 @@ RESULTS = ROOT / "bench" / "results"
 ROWS = {  # row -> (name, extra environment)
     "ddp": ("DDP + fused AdamW", {}),
     "zero2": ("trainer_shard ZeRO-2 (ShardedOptimizer stage=2)", {}),
-    "zero3": ("trainer_shard ZeRO-3 (shard_model, units=[T5Block])", {}),
+    "zero3": ("trainer_shard ZeRO-3 (ShardedOptimizer stage=3, units=[T5Block])", {}),
     "fsdp2": ("torch FSDP2 (fully_shard per T5Block + root)", {}),
     "deepspeed_zero3": ("DeepSpeed ZeRO-3 (stage 3, no offload, fp32)", {}),
     # not in the default set: FSDP2 with glibc returning freed gather buffers (DESIGN.md's fact)

@@ -71,3 +71,44 @@ def test_a_flat_buffer_may_not_span_two_param_groups():
     groups = [{"params": [p for n, p in names.items() if no_decay(n, p) == key], **DECAY[key]} for key in DECAY]
     with pytest.raises(ShardingError, match="group_fn"):
         ShardedOptimizer(groups, optim=torch.optim.AdamW, stage=3)
+
+
+def rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def bytes_freed_by_sharding(rank, world_size):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from trainer_shard.memory import release_freed_memory
+
+    config = T5Config(vocab_size=8000, d_model=512, d_kv=64, d_ff=2048, num_layers=4, num_heads=8, dropout_rate=0.0,
+                      decoder_start_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    release_freed_memory()
+    before = rss()
+    sharded = shard_model(model, units=[T5Block])
+    release_freed_memory()
+    grown = rss() - before
+    held = sharded.held_parameter_bytes()
+    sharded_numel = sum(p.numel() for u in sharded.units for p in u.params)
+    padding = len(sharded.parts) * world_size  # at most one element short of a multiple of N per flat
+    assert held["shards"] <= (-(-sharded_numel // world_size) + padding) * 4  # ceil(P / N) of the dtype
+    assert held["persistent"] == (total // 4 - sharded_numel) * 4 and held["gathered"] == held["pool"] == 0
+    # the engine's account against the process's: the whole parameters went, the shards, the
+    # persistent ones and the new fp32 gradient shards came (a kept copy would be 64 MiB more)
+    expected = held["shards"] + held["persistent"] + held["grad_shards"] - total
+    assert abs(grown - expected) <= 0.05 * total, (f"RSS changed by {grown / 2**20:.1f} MiB, the engine's account "
+                                                   f"by {expected / 2**20:.1f} MiB")  # fmt: skip
+
+
+@pytest.mark.multiproc
+def test_sharding_frees_what_the_engine_says_it_does():
+    """2 ranks, 128 MiB of fp32 parameters: a rank keeps at most ceil(P/2) of the sharded ones
+    plus the persistent ones, and its RSS changes by what the engine's accounting says."""
+    spawn(bytes_freed_by_sharding, 2)
