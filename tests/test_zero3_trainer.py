@@ -23,6 +23,14 @@ def train_flags(model, data, out, *extra):
             "--max_grad_norm", "0.3", "--weight_decay", "0.1", *extra]  # fmt: skip
 
 
+def small_units(folder, **zero):
+    """A stage-3 config that shards every parameter of the tiny test model (DeepSpeed's default
+    persistence threshold, 100,000 elements, would keep all of them whole)."""
+    path = folder / "zero3_small.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}))
+    return ["--offload", path]
+
+
 def log(out):
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
@@ -41,6 +49,9 @@ def assert_matches(out, reference, ranks, atol=1e-6):
         assert loss == pytest.approx(ref_loss, abs=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
     saved = load_file(out / "model.safetensors")  # streamed unit by unit: the same weights, ties once
     assert all(torch.equal(saved[k], got[0][k]) for k in saved) and "lm_head.weight" not in saved
+    held = json.loads((out / "held0.json").read_text())  # really sharded: ceil(P/N) and the whole ones
+    assert held["gathered"] == 0 and held["shards"] < held["total"] / ranks + 4096, held
+    return held
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +65,20 @@ def ddp(tiny_model, tiny_data, tmp_path_factory):
     return runs
 
 
-@pytest.mark.parametrize("ranks,option", [(2, "zero_dp_3 auto_wrap"), (3, "zero_dp_3 auto_wrap offload")])
-def test_matches_ddp(ddp, tiny_model, tiny_data, tmp_path, ranks, option):
-    """One unit per T5Block, and on 3 ranks (padding in every unit) with the optimizer state
-    offloaded to CPU. (Without auto_wrap: the resume test's first run.)"""
+@pytest.mark.parametrize("ranks,case", [(2, "auto_wrap"), (3, "offload"), (2, "shipped config")])
+def test_matches_ddp(ddp, tiny_model, tiny_data, tmp_path, ranks, case):
+    """One unit per T5Block, every parameter sharded; on 3 ranks (padding in every unit, the
+    32-element layer norms too) with the optimizer state in CPU RAM; and configs/zero3.json as
+    shipped (units from the config, prefetch and persistence "auto" from the hidden size: the
+    matrices sharded, the layer norms whole). Without auto_wrap: the resume test."""
+    extra = {"auto_wrap": ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path)],
+             "offload": ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path, offload_optimizer={"device": "cpu"})],
+             "shipped config": ["--offload", ROOT / "configs" / "zero3.json"]}[case]  # fmt: skip
     out = tmp_path / "out"
-    proc = run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option), nproc=ranks, script=DUMP)
+    proc = run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=ranks, script=DUMP)
     assert_ok(proc)
-    assert_matches(out, ddp[ranks], ranks)
+    held = assert_matches(out, ddp[ranks], ranks)
+    assert (held["persistent"] == 0) == (case != "shipped config")
 
 
 def test_bf16_logs_as_zero_dp_2(tiny_model, tiny_data, tmp_path):
@@ -69,7 +86,8 @@ def test_bf16_logs_as_zero_dp_2(tiny_model, tiny_data, tmp_path):
     runs = {}
     for option in ("zero_dp_2", "zero_dp_3 auto_wrap"):
         out = runs[option] = tmp_path / option.replace(" ", "_")
-        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option, "--bf16"), nproc=2))
+        extra = small_units(tmp_path) if option.startswith("zero_dp_3") else []
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option, "--bf16", *extra), nproc=2))
     for (loss, norm), (ref_loss, ref_norm) in zip(log(runs["zero_dp_3 auto_wrap"]), log(runs["zero_dp_2"]), strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-3) and norm == pytest.approx(ref_norm, rel=1e-3)
     weights = load_file(runs["zero_dp_3 auto_wrap"] / "model.safetensors")
@@ -81,7 +99,7 @@ def test_eval_generate_and_best_model(tiny_model, tiny_data, tmp_path):
     search (ranks whose sequences end at different lengths keep in step: synced_gpus): the
     generations are those of the trained model run whole on one process, line for line."""
     out = tmp_path / "out"
-    extra = ["--sharded_ddp", "zero_dp_3 auto_wrap", "--gradient_checkpointing", "--do_eval", "--do_predict",
+    extra = ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path), "--gradient_checkpointing", "--do_eval", "--do_predict",
              "--predict_with_generate", "--n_val", "10", "--n_test", "10", "--eval_beams", "2",
              "--eval_strategy", "steps", "--eval_steps", "3", "--save_strategy", "steps", "--save_steps", "3",
              "--load_best_model_at_end", "--metric_for_best_model", "loss", "--per_device_eval_batch_size", "3"]  # fmt: skip
@@ -105,7 +123,7 @@ def test_resume_exactly_and_across_stages_and_world_sizes(ddp, tiny_model, tiny_
     as plain training on 1; `trainer-shard consolidate` reads it."""
     out = tmp_path / "out"
     save = ["--save_strategy", "steps", "--save_steps", "3"]
-    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_3", *save)
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_3", *small_units(tmp_path), *save)
     assert_ok(run_script(flags, nproc=2, script=DUMP))
     assert_matches(out, ddp[2], 2)
     straight = load_file(out / "model.safetensors")

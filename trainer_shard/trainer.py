@@ -83,7 +83,7 @@ class ShardedTrainerMixin:
         if getattr(model, "hf_device_map", None):
             # placed by a device map (offload.dispatch): its hooks move the weights; accelerate
             # would move a map of one entry ({"": "disk"}) whole, which offloaded weights cannot
-            self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, device_placement=False)
+            _force_prepare_model(self.accelerator, device_placement=False)
         self._supervisor = Supervisor()
         self._staged = self._last_checkpoint = None
         self.callback_handler.callbacks.insert(0, self._supervisor.callback(self.args))  # first: it says where the step begins
@@ -214,9 +214,13 @@ class ShardedTrainerMixin:
         if self.args.fp16:
             # accelerate scales the loss and steps through this; see ShardedGradScaler
             self.accelerator.scaler = ShardedGradScaler(optimizer)
-        if self.sharding_stage in (2, 3):
-            # No DDP around the model: the optimizer's (ZeRO-3: the model's) hooks reduce-scatter the gradients.
-            self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
+        if self.sharding_stage == 2:
+            # No DDP around the model: the optimizer's hooks reduce-scatter the gradients.
+            _force_prepare_model(self.accelerator, evaluation_mode=True)
+        elif self.sharding_stage == 3:
+            # Nor at stage 3 (the model's hooks reduce-scatter), and no `.to(device)`: the model was
+            # sharded where it is, and moving parameters whose memory is freed crashes
+            _force_prepare_model(self.accelerator, evaluation_mode=True, device_placement=False)
         logger.info("--sharded_ddp: %r", optimizer)
 
     def _clip_grad_norm(self, model):
@@ -330,6 +334,19 @@ class ShardedTrainerMixin:
     def evaluation_loop(self, *args, **kwargs):
         self.gather_function = gather_for_metrics(self.accelerator, self.args)
         return super().evaluation_loop(*args, **kwargs)
+
+
+def _force_prepare_model(accelerator, **forced) -> None:
+    """Make `accelerator.prepare_model` always run with `forced` keywords: `accelerator.prepare`
+    passes `device_placement` explicitly (None: the accelerator's default), which a
+    `functools.partial` default would not override."""
+    original = accelerator.prepare_model
+
+    @functools.wraps(original)
+    def prepare_model(model, *args, **kwargs):
+        return original(model, *args, **{**kwargs, **forced})
+
+    accelerator.prepare_model = prepare_model
 
 
 class ShardedTrainer(ShardedTrainerMixin, Trainer):

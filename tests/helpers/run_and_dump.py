@@ -3,6 +3,7 @@
 Lets a test compare what every rank ends with, which the script itself saves only on rank 0.
 """
 
+import json
 import os
 import runpy
 import sys
@@ -16,6 +17,9 @@ try:
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer.sharded_model is not None:  # ZeRO-3: gathered unit by unit (collective)
         state = trainer.sharded_model.full_state_dict()
+        held = dict(trainer.sharded_model.held_parameter_bytes(), total=sum(v.numel() * v.element_size()
+                    for v in model.parameters()))  # fmt: skip
+        (Path(trainer.args.output_dir) / f"held{os.environ.get('RANK', '0')}.json").write_text(json.dumps(held))
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(state, Path(trainer.args.output_dir) / f"rank{os.environ.get('RANK', '0')}.pt")

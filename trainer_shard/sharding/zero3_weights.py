@@ -48,12 +48,13 @@ class _UnitCursor:
 def _ordered_tensors(sharded, cursor) -> dict:
     """{name: tensor or Chunked} as `checkpoint.save_model` names them, the units' tensors first,
     unit by unit (read through `cursor`), then the whole ones (persistent parameters, buffers)."""
-    state = unique_state_dict(sharded.model)
+    state = unique_state_dict(sharded.model)  # detached: new tensor objects, so matched by name
     unit_of = {id(p): unit for unit in sharded.units for p in unit.params}
+    params = dict(sharded.model.named_parameters(remove_duplicate=False))
     by_unit = {id(unit): [] for unit in sharded.units}
     rest = []
-    for name, tensor in state.items():
-        unit = unit_of.get(id(tensor))
+    for name in state:
+        unit = unit_of.get(id(params[name])) if name in params else None
         (by_unit[id(unit)] if unit is not None else rest).append(name)
     out = {}
     for unit in sharded.units:
