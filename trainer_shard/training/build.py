@@ -83,8 +83,13 @@ def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
                           reduce_dtype=dtypes.DTYPES.get(reduce), **kwargs)  # fmt: skip
     if args.process_index == 0:
-        logger.info("zero_dp_3: %s; parameters of at most %d elements stay whole on every rank", how,
-                    kwargs["persistence_threshold"])  # fmt: skip
+        total = sum(p.numel() for p in model.parameters())
+        whole = sum(p.numel() for p in sharded.persistent)
+        level = logging.WARNING if 2 * whole > total else logging.INFO  # mostly whole: say it loudly
+        logger.log(level, "zero_dp_3: %s; %s of %s parameter elements sharded (%d units hold some); %s stay whole "
+                          "on every rank (parameters of at most %s elements, and frozen ones: an --offload config's "
+                          "stage3_param_persistence_threshold sets the size)", how, f"{total - whole:,}", f"{total:,}",
+                   len(sharded.units), f"{whole:,}", f"{kwargs['persistence_threshold']:,}")  # fmt: skip
     return sharded
 
 
