@@ -12,17 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
+from test_sharded_trainer import DUMP, ddp_run, log, train_flags  # noqa: F401 (ddp_run: the DDP reference fixture)
 from trainer_shard.sharding import state_io
 
-DUMP = ROOT / "tests" / "helpers" / "run_and_dump.py"
-
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
-
-
-def train_flags(model, data, out, *extra):
-    return ["--model_name_or_path", model, "--data_dir", data, "--output_dir", out, *TINY_FLAGS, "--do_train",
-            "--max_steps", "6", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-            "--max_grad_norm", "0.3", "--weight_decay", "0.1", *extra]  # fmt: skip
 
 
 def small_units(folder, **zero):
@@ -31,11 +24,6 @@ def small_units(folder, **zero):
     path = folder / "zero3_small.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}))
     return ["--offload", path]
-
-
-def log(out):
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
 
 
 def assert_matches(out, reference, ranks, atol=1e-6):
@@ -56,16 +44,8 @@ def assert_matches(out, reference, ranks, atol=1e-6):
     return held
 
 
-@pytest.fixture(scope="module")
-def ddp(tiny_model, tiny_data, tmp_path_factory):
-    """Plain DDP on 2 ranks (fp32, accumulation 2, clipping, weight decay)."""
-    out = tmp_path_factory.mktemp("ddp") / "out"
-    assert_ok(run_script(train_flags(tiny_model, tiny_data, out), nproc=2, script=DUMP))
-    return out
-
-
 @pytest.mark.parametrize("case", ["auto_wrap offload", "shipped config"])
-def test_matches_ddp(ddp, tiny_model, tiny_data, tmp_path, case):
+def test_matches_ddp(ddp_run, tiny_model, tiny_data, tmp_path, case):
     """One unit per T5Block, every parameter sharded (the 32-element layer norms too, padded),
     the optimizer state in CPU RAM; and configs/zero3.json as shipped (units from the config,
     prefetch and persistence "auto" from the hidden size: the matrices sharded, the layer norms
@@ -76,7 +56,7 @@ def test_matches_ddp(ddp, tiny_model, tiny_data, tmp_path, case):
     out = tmp_path / "out"
     proc = run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP)
     assert_ok(proc)
-    held = assert_matches(out, ddp, 2)
+    held = assert_matches(out, ddp_run, 2)
     assert (held["persistent"] == 0) == (case != "shipped config")
 
 
@@ -116,7 +96,7 @@ def test_eval_generate_and_best_model(tiny_model, tiny_data, tmp_path):
     assert len(lines) == 10 and lines == (whole / "test_generations.txt").read_text().splitlines()
 
 
-def test_resume_exactly_and_across_stages_and_world_sizes(ddp, tiny_model, tiny_data, tmp_path):
+def test_resume_exactly_and_across_stages_and_world_sizes(ddp_run, tiny_model, tiny_data, tmp_path):
     """zero_dp_3 without auto_wrap (the whole model one unit) trains as DDP; its checkpoint
     resumes exactly at the same world size, and with no conversion as zero_dp_2 on 2 ranks and
     as plain training on 1; `trainer-shard consolidate` reads it."""
@@ -124,7 +104,7 @@ def test_resume_exactly_and_across_stages_and_world_sizes(ddp, tiny_model, tiny_
     save = ["--save_strategy", "steps", "--save_steps", "3"]
     flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_3", *small_units(tmp_path), *save)
     assert_ok(run_script(flags, nproc=2, script=DUMP))
-    assert_matches(out, ddp, 2)
+    assert_matches(out, ddp_run, 2)
     straight = load_file(out / "model.safetensors")
     assert sorted(p.name for p in (out / "checkpoint-3" / "optimizer_shards").iterdir()) == [
         "index.json", "rank-00000-of-00002.safetensors", "rank-00001-of-00002.safetensors"]  # fmt: skip
