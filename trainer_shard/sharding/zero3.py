@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import comm
 from ..errors import ShardingError
+from ..memory import release_freed_memory
 from .partition import plan_layout
 from .reducer import GradReducer
 
@@ -338,8 +339,10 @@ class ShardedModel:
     """The ZeRO-3 state of a model; see the module docstring. Built by `shard_model`."""
 
     def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch,
-                 group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True):  # fmt: skip
+                 group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True,
+                 release_memory: bool = True):  # fmt: skip
         self.model, self.group, self.prefetch = model, group, prefetch
+        self.release_memory = release_memory
         self.reduce_dtype = reduce_dtype
         self.rank, self.world_size = comm.rank_and_size(group)
         self.units, self.persistent, self.persistent_keys, self._handles = [], [], [], []
@@ -640,6 +643,8 @@ class ShardedModel:
 
     def _end_of_backward(self):
         self._callback_queued = False
+        if self.release_memory:  # after every other end-of-backward callback (the reducer's too)
+            torch.autograd.Variable._execution_engine.queue_callback(release_freed_memory)
         for unit in self.units:  # also a prefetch whose unit had no backward
             if unit.holds == 0 and unit.gathered:
                 unit.release()
@@ -663,7 +668,7 @@ def sharded_part(param):
 
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                 prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None,
-                check_calls: bool = True) -> ShardedModel:  # fmt: skip
+                check_calls: bool = True, release_memory: bool = True) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the module docstring. Collective.
 
     Args:
@@ -684,13 +689,17 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
             `GradReducer`, the parameters' up to 8 ranks).
         check_calls: before each gather, check that every rank gathers the same unit (see
             [Note: diverging calls]); False saves one small collective per gather.
+        release_memory: at the end of each backward, hand the memory freed into the C heap
+            back to the OS (`memory.release_freed_memory`): glibc keeps the step's full
+            gradients and reduce buckets resident otherwise. Measured on t5-small (2 ranks):
+            35-57 ms a call, peak RSS 90-120 MiB lower (bench/results/zero3.md).
     """
     if int(persistence_threshold) < 0:
         raise ShardingError(f"persistence_threshold must be 0 or more, got {persistence_threshold}")
     if not isinstance(prefetch, bool) and int(prefetch) < 0:
         raise ShardingError(f"prefetch must be True, False or a number of elements >= 0, got {prefetch}")
     return ShardedModel(model, _unit_modules(model, units), group, int(persistence_threshold), prefetch, group_fn,
-                        gather_pool, reduce_dtype, check_calls)
+                        gather_pool, reduce_dtype, check_calls, release_memory)
 
 
 def _unit_modules(model, units) -> list:

@@ -66,13 +66,16 @@ def unit_modules(model, auto_wrap: bool) -> tuple:
 def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     """ZeRO-3: `model`'s parameters sharded in place (zero3.shard_model), in flat buffers split
     by weight decay or not (the Trainer's `decay_names`), so each param group steps its own.
-    Units: `--sharded_ddp "zero_dp_3 auto_wrap"` (or a config at stage 3, as DeepSpeed gathers
-    module by module) one per layer, else the whole model; the config's stage-3 keys set the
+    Units: `--sharded_ddp "zero_dp_3 auto_wrap"` (or `auto` choosing stage 3, or a config at stage
+    3, as DeepSpeed gathers module by module) one per layer, else the whole model; the config's stage-3 keys set the
     persistence threshold and prefetch (config/apply.py `zero3_kwargs`)."""
     from ..args import ShardedDDPOption
 
     options = getattr(args, "sharded_ddp", None) or []
-    auto_wrap = ShardedDDPOption.AUTO_WRAP in options or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options)
+    # auto_wrap when asked, when --sharded_ddp auto chose stage 3 (the planner's estimate has one
+    # unit per layer), or from a config alone
+    auto_wrap = (ShardedDDPOption.AUTO_WRAP in options or ShardedDDPOption.AUTO in options
+                 or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options))  # fmt: skip
     units, how = unit_modules(model, auto_wrap)
     if config is not None:  # DeepSpeed's keys and defaults (prefetch: 5e7 elements ahead)
         kwargs = config_apply.zero3_kwargs(config, model)

@@ -61,7 +61,7 @@ def choose_strategy(args, model, train_dataset, config) -> tuple:
     kind, value = comm.share_from_rank_zero(outcome, timeout=2 * planner.PROBE_TIMEOUT_S + 60)
     if kind == "failed":
         raise TrainerShardError(f"--sharded_ddp auto: the memory probe on rank 0 failed ({value}); name a strategy "
-                                "instead (--sharded_ddp simple|zero_dp_2 [offload], or --offload CONFIG.json)")  # fmt: skip
+                                "instead (--sharded_ddp simple|zero_dp_2|zero_dp_3 [offload], or --offload CONFIG.json)")  # fmt: skip
     chosen, why = value
     if chosen is None:
         raise ArgumentError(f"--sharded_ddp auto: {why}; lower --per_device_train_batch_size or the sequence "
@@ -69,7 +69,7 @@ def choose_strategy(args, model, train_dataset, config) -> tuple:
     if args.process_index == 0:
         print(f"--sharded_ddp auto: {why}", flush=True)
     strategy, offload = chosen
-    stage = {"ddp": None, "simple": 1, "zero_dp_2": 2}[strategy]
+    stage = {"ddp": None, "simple": 1, "zero_dp_2": 2, "zero_dp_3": 3}[strategy]
     spec = {"none": None, "cpu": OffloadSpec("cpu"),
             "disk": OffloadSpec("nvme", nvme_path=os.path.join(args.output_dir, "offload_store"))}[offload]  # fmt: skip
     return stage, spec
