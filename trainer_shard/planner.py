@@ -12,15 +12,29 @@ trainer_shard implements it:
 | DDP (Trainer) | 4 A (fp32; `--bf16` autocasts fp32 weights) | 4 P `.grad` + 4 P DDP buckets | 8 P |
 | `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N | (4 if w = 2) P/N master + 8 P/N |
 | `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` |
+| `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K |
 | + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk |
 
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
-fp32 masters in the shards) else 4. Activations and the runtime come from a short measured
-probe: in a fresh process that imports what training imports, a forward and backward pass at
-batch size 1 and 4 on the actual device (the rise of peak RSS, or of CUDA's peak allocation,
-above the model and its gradients), extrapolated linearly to the batch size; without a probe
-(`--no_probe`), from the bytes autograd saves for backward on the meta device. The tests check
-the predictions against the measured peaks of real runs.
+fp32 masters in the shards) else 4.
+
+ZeRO-3 (`zero3_units`: the units `shard_model` makes of the meta-device model, one per class in
+its `_no_split_modules`, T5Block for T5, as `zero_dp_3 auto_wrap`): S sharded elements (every
+unit's flat buffer, padded to N), K kept whole on every rank (at most `PERSISTENCE_THRESHOLD`
+elements: layer norms, biases; AdamW state in their dtype); "gathered" is the gather pool
+(`GatherPool`: after the first step it keeps, for each buffer size, as many buffers as are ever
+gathered at once: the root unit, T5's shared embedding = lm_head, gathered through forward and
+backward, with the running unit and the prefetched next one), "unit buckets" the full gradients
+of up to 3 units being reduce-scattered (`GradReducer`: one filling, 2 in flight). Not counted:
+each rank builds or loads the whole model before sharding it (4 A in fp32), below the training
+peak at 2 ranks, not necessarily at 4 or more.
+
+Activations and the runtime come from a short measured probe: in a fresh process that imports
+what training imports, a forward and backward pass at batch size 1 and 4 on the actual device
+(the rise of peak RSS, or of CUDA's peak allocation, above the model and its gradients),
+extrapolated linearly to the batch size; without a probe (`--no_probe`), from the bytes autograd
+saves for backward on the meta device. The tests check the predictions against the measured
+peaks of real runs (zero_dp_3's: plain-loop runs, bench/planner_zero3.py).
 """
 
 import argparse
@@ -31,10 +45,17 @@ from dataclasses import dataclass
 
 from .constants import BUCKET_NUMEL, CHUNK_NUMEL, PRECISIONS
 
-STRATEGIES = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("simple", "cpu"), ("zero_dp_2", "cpu"),
-              ("simple", "disk"), ("zero_dp_2", "disk")]  # fmt: skip
-# --sharded_ddp auto tries these in order: less communication and I/O first
-AUTO_ORDER = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_2", "cpu"), ("zero_dp_2", "disk")]
+STRATEGIES = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_3", None), ("simple", "cpu"),
+              ("zero_dp_2", "cpu"), ("zero_dp_3", "cpu"), ("simple", "disk"), ("zero_dp_2", "disk"),
+              ("zero_dp_3", "disk")]  # fmt: skip
+# --sharded_ddp auto tries these in order: less communication and I/O first. zero_dp_3 right after
+# zero_dp_2, each offload after zero_dp_2's: gathering every unit twice a step, its step measured
+# 0.99x and 1.01x zero_dp_2's (t5-small, t5-base, 2 gloo ranks: bench/results/zero3.md), while on
+# a GPU CPU offload moves gradients and weights over PCIe and steps on the CPU every step, and disk
+# offload took 1.9x the step without (bench/results/offload.md). zero_dp_2 first where both fit:
+# ZeRO-3 moves 1.5x ZeRO-2's bytes (NCCL), and the measured peaks at 2 ranks differ little.
+AUTO_ORDER = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_3", None), ("zero_dp_2", "cpu"),
+              ("zero_dp_3", "cpu"), ("zero_dp_2", "disk"), ("zero_dp_3", "disk")]  # fmt: skip
 NAMED = {  # T5 architectures, built on the meta device: no download, no weights
     "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
     "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
@@ -76,15 +97,77 @@ def count_parameters(config) -> tuple:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
-def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: int, precision: str) -> dict:
+@dataclass(frozen=True)
+class Units:
+    """What `shard_model` makes of a model, in elements: each inner unit's flat buffer (padded to a
+    multiple of the world size) in forward order, the root unit's (0: none), and the parameters
+    kept whole on every rank (persistent). Built by `zero3_units`."""
+
+    inner: tuple
+    root: int
+    persistent: int
+    world_size: int
+    classes: tuple = ()  # the unit classes, for the table's note
+
+    @property
+    def shard(self) -> int:
+        """Elements of this rank's slices of every flat buffer."""
+        return (sum(self.inner) + self.root) // self.world_size
+
+    @property
+    def largest(self) -> int:
+        return max(self.inner, default=self.root)
+
+    def pool_numel(self) -> int:
+        """Elements of the gather buffers `GatherPool` keeps after the first step: for each buffer
+        size, the most buffers of it gathered at once (the root with a running unit and the next,
+        prefetched: forward meets the units in order, backward in reverse, one pair at a time)."""
+        root = [self.root] if self.root else []
+        pairs = [list(self.inner[i : i + 2]) for i in range(max(1, len(self.inner) - 1))]
+        most = {}
+        for at_once in pairs:
+            for size in set(at_once + root):
+                most[size] = max(most.get(size, 0), (at_once + root).count(size))
+        return sum(size * count for size, count in most.items())
+
+
+def zero3_units(config, world_size: int, persistence_threshold: int | None = None) -> Units:
+    """The units `shard_model(model, units=<the model's _no_split_modules>)` makes (`zero_dp_3
+    auto_wrap`), from the meta-device model: the same ownership rule (a parameter belongs to the
+    innermost unit holding all its users; T5's tied embedding to the root) and threshold."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from .offload.dispatch import empty_model
+    from .sharding.zero3 import PERSISTENCE_THRESHOLD, _owners, _unit_modules
+
+    threshold = PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold
+    model = empty_model(AutoModelForSeq2SeqLM, config)
+    classes = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
+    modules = _unit_modules(model, [m for m in model.modules() if type(m).__name__ in classes])
+    owner, _ = _owners(model, modules)
+    sharded, persistent = {id(m): 0 for m in modules}, 0
+    for p, module in owner.items():
+        if p.numel() <= threshold or not p.requires_grad:
+            persistent += p.numel()
+        else:
+            sharded[id(module)] += p.numel()
+    padded = [-(-sharded[id(m)] // world_size) * world_size for m in modules]  # the root is last
+    return Units(tuple(n for n in padded[:-1] if n), padded[-1], persistent, world_size, classes)
+
+
+def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: int, precision: str,
+                   units: Units | None = None) -> dict:  # fmt: skip
     """{"device", "cpu", "disk"}: bytes a rank keeps for parameters, gradients and optimizer
-    state under `strategy` (ddp, simple, zero_dp_2) and `offload` (None, cpu, disk). Pure."""
+    state under `strategy` (ddp, simple, zero_dp_2, zero_dp_3: with its `units`) and `offload`
+    (None, cpu, disk); zero_dp_3 also its gather buffers and unit buckets. Pure."""
     A, P, N = total, trainable, world
     if strategy == "ddp":
         if offload:
             raise ValueError("DDP has no offload: offload shards with simple or zero_dp_2")
         return {"device": 4 * A + 4 * P + 4 * P + 4 * STATE_TENSORS * P, "cpu": 0, "disk": 0}
     w = 2 if precision in ("bf16", "fp16") else 4
+    if strategy == "zero_dp_3":
+        return _zero3_bytes(offload, units, N, w)
     shard = -(-P // N)
     grad_shard = w * shard if offload else 4 * shard
     if strategy == "simple":
@@ -100,6 +183,39 @@ def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: in
     return {"device": device, "cpu": optimizer if offload else 0, "disk": 0}
 
 
+def _zero3_bytes(offload, units: Units | None, world: int, w: int) -> dict:
+    parts = zero3_parts(offload, units, world, w)
+    device = sum(v for k, v in parts.items() if k != "optimizer")
+    optimizer = parts["optimizer"]
+    if not offload:
+        return {"device": device + optimizer, "cpu": 0, "disk": 0}
+    if offload == "disk":
+        return {"device": device, "cpu": DISK_BUFFERS, "disk": optimizer}
+    return {"device": device, "cpu": optimizer, "disk": 0}
+
+
+def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
+    """zero_dp_3's bytes per rank by part, as the engine names them (`held_parameter_bytes`):
+    "shards" (w bytes), "grad_shards" (fp32; offloaded: w, as zero_dp_2's store keeps them),
+    "persistent" (whole, with their gradients and AdamW state in their dtype), "pool" (the gather
+    buffers), "buckets" (3 units' gradients being reduced: the one filling and `GradReducer`'s
+    2 in flight) and "optimizer" (fp32 masters for 16-bit or offloaded shards, AdamW's moments:
+    on the device, or in the offload store). `w`: the parameters' bytes an element."""
+    if units is None or units.world_size != world:
+        raise ValueError(f"zero_dp_3 needs its units for {world} ranks: zero3_units(config, {world})")
+    from .sharding.reducer import MAX_16BIT_RANKS
+
+    shard, K = units.shard, units.persistent
+    return {
+        "shards": w * shard,
+        "grad_shards": (w if offload else 4) * shard,
+        "persistent": w * K * (2 + STATE_TENSORS),
+        "pool": w * units.pool_numel(),
+        "buckets": 3 * (4 if world > MAX_16BIT_RANKS else w) * units.largest,  # `default_reduce_dtype`
+        "optimizer": (4 if w == 2 or offload else 0) * shard + 4 * STATE_TENSORS * shard,
+    }
+
+
 def probe_modes(precision: str) -> dict:
     """The probe each strategy needs: DDP trains fp32 weights (autocast for --bf16/--fp16), the
     sharded strategies 16-bit parameters."""
@@ -113,13 +229,14 @@ def estimate(config, *, world_size: int, precision: str, batch_size: int, source
     """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, fits.
     `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device."""
     total, trainable = count_parameters(config)
+    units = zero3_units(config, world_size)
     if probes is None:
         probes = dict.fromkeys(("ddp", "sharded"), meta_probe(config, source_length, target_length))
     rows = []
     for strategy, offload in STRATEGIES:
         probe = probes["ddp" if strategy == "ddp" else "sharded"]
         activations = probe.activations(batch_size)
-        parts = strategy_bytes(strategy, offload, total, trainable, world_size, precision)
+        parts = strategy_bytes(strategy, offload, total, trainable, world_size, precision, units)
         if device == "cpu":  # one memory: the "device" is CPU RAM
             per_rank = probe.runtime + parts["device"] + parts["cpu"] + activations
             node = world_size * per_rank
@@ -321,7 +438,8 @@ def meta_probe(config, source_length: int, target_length: int) -> Probe:
 # ---- the command --------------------------------------------------------------------------------
 
 
-def format_table(rows: list, max_memory: int | None) -> str:
+def format_table(rows: list, max_memory: int | None, units: Units | None = None) -> str:
+    """The rows as a markdown table; with `units`, a note on what the zero_dp_3 rows assume."""
     gib = 2**30
     lines = ["| strategy | offload | per rank (GiB) | CPU RAM per node (GiB) | disk per node (GiB) | fits |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -330,7 +448,20 @@ def format_table(rows: list, max_memory: int | None) -> str:
                      f"{r['disk_per_node'] / gib:.2f} | {fits} |")  # fmt: skip
     if max_memory is not None:
         lines.append(f"\nfits: per rank at most {max_memory / gib:.2f} GiB")
+    if units is not None:
+        lines.append(f"\n{zero3_note(units)}")
     return "\n".join(lines)
+
+
+def zero3_note(units: Units) -> str:
+    m = 1e6
+    wrap = "no _no_split_modules:"
+    if units.inner:
+        wrap = (f"one unit per {', '.join(units.classes)} (the model's _no_split_modules): {len(units.inner)} "
+                f"units of up to {units.largest / m:.2f} M elements, the rest")  # fmt: skip
+    return (f"zero_dp_3 (auto_wrap): {wrap} the root unit of {units.root / m:.2f} M elements, gathered through "
+            f"forward and backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
+            f"kept: {units.pool_numel() / m:.2f} M elements")  # fmt: skip
 
 
 def estimate_main(argv=None) -> int:
@@ -372,7 +503,7 @@ def estimate_main(argv=None) -> int:
     print(f"{args.model}: {total:,} parameters ({trainable:,} trainable), world size {args.world_size}, "
           f"{args.precision}, batch {args.batch_size} x {args.source_length}/{args.target_length} tokens per rank; "
           f"activations {'measured' if probes else 'estimated on the meta device'}\n")  # fmt: skip
-    print(format_table(rows, budget))
+    print(format_table(rows, budget, zero3_units(config, args.world_size)))
     return 0
 
 
