@@ -99,10 +99,12 @@ def setup(row: str, model):
             return {"total": sum(nbytes(p) for p in model.parameters())}
 
         return module, step, param_bytes, notes
-    if row == "zero2":
-        from trainer_shard.sharding import ShardedOptimizer
+    if row in ("zero2", "zero3"):  # zero3: what the Trainer's --sharded_ddp "zero_dp_3 auto_wrap" builds
+        from trainer_shard.sharding import ShardedOptimizer, shard_model
 
-        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
+        sharded = shard_model(model, units=[T5Block]) if row == "zero3" else None
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=2 if sharded is None else 3, fused=True, lr=LR,
+                               weight_decay=WEIGHT_DECAY)  # fmt: skip
 
         def step(loss):
             loss.backward()
@@ -111,26 +113,12 @@ def setup(row: str, model):
             opt.zero_grad()
 
         def param_bytes():
+            if sharded is not None:
+                held = sharded.held_parameter_bytes()
+                return {"total": held["shards"] + held["masters"] + held["persistent"], **held}
             shards = opt.shard_bytes()
             return {"total": sum(nbytes(p) for p in model.parameters()),
                     **{f"engine_{k}": v for k, v in shards.items() if isinstance(v, int)}}  # fmt: skip
-
-        return model, step, param_bytes, notes
-    if row == "zero3":  # what the Trainer's --sharded_ddp "zero_dp_3 auto_wrap" builds
-        from trainer_shard.sharding import ShardedOptimizer, shard_model
-
-        sharded = shard_model(model, units=[T5Block])
-        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=3, fused=True, lr=LR, weight_decay=WEIGHT_DECAY)
-
-        def step(loss):
-            loss.backward()
-            opt.clip_grad_norm(CLIP)
-            opt.step()
-            opt.zero_grad()
-
-        def param_bytes():
-            held = sharded.held_parameter_bytes()
-            return {"total": held["shards"] + held["masters"] + held["persistent"], **held}
 
         return model, step, param_bytes, notes
     if row in ("fsdp2", "fsdp2_mmap"):  # fsdp2_mmap: the same, the driver sets MALLOC_MMAP_THRESHOLD_
