@@ -370,6 +370,7 @@ class ShardedModel:
                      for (key, _), ps in by_unit[id(module)].items()]  # fmt: skip
             name = module_names.get(id(module)) or "the model"
             self.units.append(Unit(module, parts, id(module) not in frozen_users, name, check))
+            self.units[-1].index = len(self.units) - 1
         self.root = next((u for u in self.units if u.module is model), None)
         self.parts = [part for unit in self.units for part in unit.parts]
         with torch.no_grad():
@@ -601,7 +602,7 @@ class ShardedModel:
         do not. So before each gather the ranks exchange (unit, count) first, 16 bytes in one
         small all-gather, and all raise the same error naming both sides if they differ.
         Measured cost: bench/results/zero3.md. Collective."""
-        header = torch.tensor([self.units.index(unit), self.gathers], dtype=torch.int64, device=unit.parts[0].buffer.device)
+        header = torch.tensor([unit.index, self.gathers], dtype=torch.int64, device=unit.parts[0].buffer.device)
         everyone = torch.empty(2 * self.world_size, dtype=torch.int64, device=header.device)
         with record_function("trainer_shard::zero3_check_calls"):
             comm.all_gather(everyone, header, self.group)
