@@ -14,11 +14,12 @@ from trainer_shard.sharding import ShardedOptimizer, shard_model
 THRESHOLD = 100  # the layer norms (32 elements) stay whole: a stage-1 flat beside the units' flats
 
 
-def train(rank, world_size, units, offload=None):
+def train(rank, world_size, units, offload=None, param_offload=None):
     """STEPS steps, each of `micro` micro-batches per rank (the loss divided by `micro`, as the
     Trainer does under gradient accumulation); returns (full state dict, clipped norms)."""
     model = make_t5()
-    sharded = shard_model(model, units=units, persistence_threshold=THRESHOLD, group_fn=no_decay)
+    sharded = shard_model(model, units=units, persistence_threshold=THRESHOLD, group_fn=no_decay,
+                          param_offload=param_offload)
     names = dict(model.named_parameters())
     groups = [{"params": [p for n, p in names.items() if no_decay(n, p) == key], **DECAY[key]} for key in DECAY]
     opt = ShardedOptimizer(groups, optim=torch.optim.AdamW, stage=3, offload=offload, lr=LR, weight_decay=0.01)
@@ -36,7 +37,11 @@ def train(rank, world_size, units, offload=None):
         norms.append(float(opt.clip_grad_norm(CLIP)))
         opt.step()
         opt.zero_grad()
-        assert sharded.held_parameter_bytes()["gathered"] == 0
+        held = sharded.held_parameter_bytes()
+        assert held["gathered"] == 0
+        if param_offload is not None and param_offload.device == "nvme":  # max_in_cpu 0 here: nothing in memory
+            assert held["shards"] == held["grad_shards"] == 0 and held["on_disk"] > 0
+            assert sharded.store.reads > 0 and sharded.store.writes > 0
     return sharded.full_state_dict(), norms
 
 

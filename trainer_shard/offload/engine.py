@@ -141,6 +141,7 @@ class OffloadEngine:
         self._links = {}
         self._io = None
         self._buffers = None  # disk store: `buffer_count` sets of chunk buffers, made at the first step
+        self._grad_buffers = {}  # (slot, dtype) -> a chunk buffer for gradients read from a store
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -197,11 +198,13 @@ class OffloadEngine:
         disk = isinstance(self.store, DiskStore)
         slots = self.spec.buffer_count
         prefetch = slots > 1  # one buffer set: read, step and write one chunk after the other
+        stored = flat.grad_stored  # ZeRO-3 with parameters on disk: so are the gradients
         if disk:
             self._ensure_chunk_buffers()
             reads = {0: self._io.submit(self._read, index, *ranges[0], 0)}
             writes = {}
-        link.fetch_grad(flat.grad, *ranges[0], 0)
+        if not stored:
+            link.fetch_grad(flat.grad[ranges[0][0] : ranges[0][1]], 0)
         kernel = _fused_kernel(self.optim_class, hyper)
         grad_scale = None
         if kernel is not None:
@@ -227,9 +230,11 @@ class OffloadEngine:
                     reads[i + 1] = self._io.submit(self._read, index, *ranges[i + 1], next_slot)
             else:
                 chunk = {name: self.store.view(self._key(index, name), start, end) for name in self.names}
+            if stored:  # read with the state chunk on the disk store's reader thread, else here
+                link.fetch_grad(chunk.pop("grad") if disk else self._read_grad(flat, start, end, slot), slot)
             grad = link.take_grad(slot, end - start, factors)
-            if i + 1 < len(ranges):
-                link.fetch_grad(flat.grad, *ranges[i + 1], (i + 1) % slots)
+            if not stored and i + 1 < len(ranges):
+                link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], (i + 1) % slots)
             if kernel is not None:
                 self._fused_chunk(kernel, chunk, grad, step, hyper, fresh, grad_scale)
             else:
@@ -286,7 +291,17 @@ class OffloadEngine:
 
     def _read(self, index: int, start: int, end: int, slot: int) -> dict:
         buffers = self._buffers[slot]
-        return {name: self.store.read(self._key(index, name), start, buffers[name][: end - start]) for name in self.names}
+        chunk = {name: self.store.read(self._key(index, name), start, buffers[name][: end - start]) for name in self.names}
+        if self.flats[index].grad_stored:
+            chunk["grad"] = self._read_grad(self.flats[index], start, end, slot)
+        return chunk
+
+    def _read_grad(self, flat, start: int, end: int, slot: int) -> torch.Tensor:
+        """A gradient chunk of a flat that keeps its gradients in its own store (ZeRO-3, on disk)."""
+        key = (slot, flat.grad.dtype)
+        if key not in self._grad_buffers:
+            self._grad_buffers[key] = torch.empty(self.spec.chunk_numel, dtype=flat.grad.dtype)
+        return flat.read_grad(start, self._grad_buffers[key][: end - start])
 
     def _write(self, index: int, start: int, chunk: dict) -> None:
         for name in self.names:
@@ -364,17 +379,17 @@ class _DeviceLink:
         if self.cuda:  # gradients were produced on the compute stream
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
 
-    def fetch_grad(self, grad: torch.Tensor, start: int, end: int, slot: int) -> None:
-        source = grad[start:end]
+    def fetch_grad(self, source: torch.Tensor, slot: int) -> None:
+        """Start bringing gradient chunk `source` to the CPU step (taken with `take_grad(slot)`)."""
         if not self.cuda:
             self.pending[slot] = source
             return
-        stage = self.grad_stage[slot][: end - start]
+        stage = self.grad_stage[slot][: source.numel()]
         with torch.cuda.stream(self.stream):
             stage.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.pending[slot] = (event, end - start)
+        self.pending[slot] = (event, source.numel())
 
     def take_grad(self, slot: int, numel: int, factors) -> torch.Tensor:
         """This slot's gradient chunk as fp32 on the CPU, multiplied by `factors` in order."""

@@ -1,7 +1,8 @@
-"""Where offloaded shard tensors live: CPU RAM or memmap files on disk.
+"""Where offloaded shard tensors live: CPU RAM or files on disk.
 
-A store holds named flat fp32 tensors ("0.master", "0.exp_avg", ...: one set per flat group of
-the shard, each of its own size), read and written by ranges; the engine streams through it
+A store holds named flat tensors, fp32 unless a size says `(numel, dtype)` ("0.master",
+"0.exp_avg", ...: one set per flat group of the shard, each of its own size; ZeRO-3's 16-bit
+parameter shards), read and written by ranges; the engine streams through it
 chunk by chunk and decides what moves where.
 
 - `CpuStore`: plain tensors in RAM, page-locked (pinned) when CUDA is present and asked for,
@@ -31,6 +32,7 @@ outlives the process that made it except after SIGKILL:
 - A file that cannot be deleted is reported (a warning naming it, its size and the error).
 """
 
+import ctypes
 import errno
 import fcntl
 import gc
@@ -61,11 +63,13 @@ class CpuStore:
     def __init__(self, sizes: dict, *, pin_memory: bool = False):
         self.sizes = dict(sizes)
         self.pinned = bool(pin_memory and torch.cuda.is_available())
-        self._tensors = {n: torch.zeros(k, dtype=torch.float32, pin_memory=self.pinned) for n, k in self.sizes.items()}
+        self._tensors = {}
+        self.add(self.sizes)
 
     def add(self, sizes: dict) -> None:
-        for name, numel in sizes.items():
-            self._tensors[name] = torch.zeros(numel, dtype=torch.float32, pin_memory=self.pinned)
+        for name, size in sizes.items():
+            numel, dtype = _numel_dtype(size)
+            self._tensors[name] = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
         self.sizes.update(sizes)
 
     def view(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -104,21 +108,25 @@ class DiskStore:
             raise
         self._held = _Held(self.folder, lock_fd)
         self._fds = self._held.fds  # one dict: what `add` opens, `close` closes
+        self._files = self._held.files  # name -> file name
         self._finalizer = weakref.finalize(self, self._held.release)
         _remove_leftover(self.folder, previous)
         self.add(sizes)
 
     def add(self, sizes: dict) -> None:
-        """Create (and reserve on disk) the files of more tensors."""
+        """Create (and reserve on disk) the files of more tensors: {name: numel} (fp32) or
+        {name: (numel, dtype)}."""
         needed = bytes_needed(sizes)
         _check_writable(self.folder, needed)
         self.sizes.update(sizes)
         try:
-            for name, numel in sizes.items():
-                fd = os.open(self.folder / f"{name}.f32", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            for name, size in sizes.items():
+                numel, dtype = _numel_dtype(size)
+                self._files[name] = f"{name}.{_SUFFIX[dtype]}"
+                fd = os.open(self.folder / self._files[name], os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 self._fds[name] = fd
                 if numel:
-                    os.posix_fallocate(fd, 0, 4 * numel)  # reserve the space now: no ENOSPC mid-run
+                    os.posix_fallocate(fd, 0, numel * dtype.itemsize)  # reserve the space now: no ENOSPC mid-run
         except OSError as e:
             self.close()
             raise OffloadStoreError(
@@ -127,22 +135,22 @@ class DiskStore:
             ) from None
 
     def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
-        """Fill `out` (fp32, contiguous, CPU) with elements [start, start + out.numel())."""
-        view = memoryview(out.numpy()).cast("B")
-        done, offset = 0, 4 * start
+        """Fill `out` (contiguous, CPU, the tensor's dtype) with elements [start, start + out.numel())."""
+        view = _bytes_of(out)
+        done, offset = 0, out.element_size() * start
         while done < len(view):
             try:
                 got = os.preadv(self._fds[name], [view[done:]], offset + done)
             except OSError as e:
                 raise self._failed("read", name, offset, len(view), e) from None
             if got == 0:
-                raise OffloadStoreError(f"{self.folder / name}.f32 is shorter than expected (read past its end)")
+                raise OffloadStoreError(f"{self.folder / self._files[name]} is shorter than expected (read past its end)")
             done += got
         return out
 
     def write(self, name: str, start: int, data: torch.Tensor) -> None:
-        view = memoryview(data.contiguous().numpy()).cast("B")
-        done, offset = 0, 4 * start
+        view = _bytes_of(data.contiguous())
+        done, offset = 0, data.element_size() * start
         while done < len(view):
             try:
                 done += os.pwritev(self._fds[name], [view[done:]], offset + done)
@@ -151,7 +159,7 @@ class DiskStore:
 
     def _failed(self, what: str, name: str, offset: int, size: int, error: OSError) -> OffloadStoreError:
         return OffloadStoreError(
-            f"the disk store could not {what} {size:,} bytes at byte {offset:,} of {str(self.folder / name)}.f32: "
+            f"the disk store could not {what} {size:,} bytes at byte {offset:,} of {str(self.folder / self._files[name])}: "
             f"{error.strerror or error}; the optimizer state of this run is lost from that point: resume from the "
             "last checkpoint with nvme_path on a healthy, writable disk"
         )
@@ -172,7 +180,7 @@ class _Held:
     them without keeping the store alive. Registered in `_OPEN` until deleted."""
 
     def __init__(self, folder: Path, lock_fd: int):
-        self.folder, self.lock_fd, self.fds = folder, lock_fd, {}
+        self.folder, self.lock_fd, self.fds, self.files = folder, lock_fd, {}, {}
         self.pid = os.getpid()
         self.deleted = self.closed = False
         _OPEN.add(self)
@@ -188,7 +196,7 @@ class _Held:
             _OPEN.discard(self)
             if self.pid == os.getpid():
                 for name in list(self.fds):
-                    _unlink(self.folder / f"{name}.f32")
+                    _unlink(self.folder / self.files.get(name, f"{name}.f32"))
                 _unlink_lock(self.folder, self.lock_fd)
                 _remove_folders(self.folder)
             if not _OPEN:
@@ -356,13 +364,13 @@ def _check_not_in_use(folder: Path) -> None:
 
 
 def _leftover_bytes(folder: Path) -> int:
-    return sum(_size(f) for f in folder.glob("*.f32")) if folder.is_dir() else 0
+    return sum(_size(f) for f in _store_files(folder)) if folder.is_dir() else 0
 
 
 def _remove_leftover(folder: Path, previous: tuple | None) -> None:
     """Delete the files a store killed with SIGKILL left in `folder` (its lock was free: no process
     uses them), and say so."""
-    files = sorted(folder.glob("*.f32"))
+    files = sorted(_store_files(folder))
     if not files:
         return
     freed = sum(_unlink(f) for f in files)
@@ -430,8 +438,28 @@ def _close_fd(fd: int) -> None:
 
 _MADE_HERE = ".made-by-trainer_shard"
 
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def _numel_dtype(size) -> tuple:
+    """A store size, `numel` (fp32) or `(numel, dtype)`, as (numel, dtype)."""
+    return (int(size), torch.float32) if isinstance(size, int) else (int(size[0]), size[1])
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, any dtype, in place; valid while `t` lives. Not
+    `t.numpy()`: numpy has no bfloat16, and torch marks a storage it exposed to numpy as not
+    resizable, which a ZeRO-3 gather buffer must be (`zero3.GatherPool`)."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def _store_files(folder: Path) -> list:
+    return [f for suffix in _SUFFIX.values() for f in folder.glob(f"*.{suffix}")]
+
+
 def bytes_needed(sizes: dict) -> int:
-    return 4 * sum(sizes.values())
+    """Bytes of the files of `sizes` ({name: numel} for fp32, or {name: (numel, dtype)})."""
+    return sum(numel * dtype.itemsize for numel, dtype in map(_numel_dtype, sizes.values()))
 
 
 def check_disk_store(folder, rank: int, needed: int, *, in_use: bool = False) -> None:

@@ -339,7 +339,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             bad = torch.zeros(1, device=self._device())
             for flat in self.flats:
-                bad += ~_all_finite(flat.grad)
+                bad += ~_all_finite(flat.grad) if not flat.grad_stored else not math.isfinite(flat.grad_sq)
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
@@ -373,7 +373,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _device(self):
         if self.flats:
-            return self.flats[0].grad.device
+            return self.flats[0].buffer.device
         first = next((p for g in self.param_groups for p in g["params"]), None)
         return first.device if first is not None else torch.device("cpu")
 
@@ -389,10 +389,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with record_function("trainer_shard::grad_norm"):
             scale = abs(self._pending_factor())
             zero = torch.zeros((), dtype=torch.float64, device=self._device())
+            stored = [f for f in self.flats if f.grad_stored]  # ZeRO-3, on disk: the norm kept as written
+            if stored and norm_type != 2.0:
+                raise ShardingError(f"with the gradients on disk (offload_param nvme) the gradient norm is the 2-norm "
+                                    f"only, got norm_type={norm_type}")  # fmt: skip
+            flats = [f for f in self.flats if not f.grad_stored]
             if norm_type == float("inf"):
-                local = torch.stack([zero.float(), *(f.grad.abs().max().float() for f in self.flats)]).max().reshape(1)
+                local = torch.stack([zero.float(), *(f.grad.abs().max().float() for f in flats)]).max().reshape(1)
                 return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0] * scale
-            local = sum((_power_sum(f.grad, norm_type) for f in self.flats), zero).reshape(1)
+            local = sum((_power_sum(f.grad, norm_type) for f in flats), zero).reshape(1)
+            local += sum(f.grad_sq for f in stored)
             total = comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)
             return (total * scale).float() if scale != 1.0 else total.float()
 
@@ -730,7 +736,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def shard_bytes(self) -> dict:
         """Bytes this rank holds for its shards on the compute device (master weights, gradients,
         optimizer state) and, offloaded, in the store."""
-        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats), **self.stepper.state_bytes()}
+        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats if not f.grad_stored),
+                **self.stepper.state_bytes()}
 
     def close(self, why: str = "close() was called") -> None:
         """Remove the gradient hooks and free the shards, the inner state and the offload store (a

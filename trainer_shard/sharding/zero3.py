@@ -53,6 +53,17 @@ units inside a checkpointed layer run their hooks again in backward (reentrant o
 order, on the same modules, or the job hangs. Prefetch follows the recorded order, which is the
 same on every rank. A parameter used on one rank and not on another is such a mismatch too.
 
+[Note: parameter offload] With `param_offload` (`offload.param_store`), a flat buffer's shard
+lives in the parameter store instead of a tensor of its own: a CPU RAM tensor (device "cpu"),
+or a file (device "nvme"; `shard` is None). A shard on disk is read into this rank's slice of
+the gather buffer (`load`, on the store's reader thread), started for the units after the
+running one in the recorded order while at most `buffer_count` units have buffers alive, and
+all-gathered in place. Its gradient shard is on disk too: each reduced slice is written as
+backward produces it (summed with what is there when micro-batches accumulate), its squared
+norm kept (`grad_sq`), so clipping needs no pass over the files. The optimizer must be
+offloaded as well: its engine reads the gradient chunk by chunk and writes the updated
+parameters back to the store (`write_shard`).
+
 Not handled yet: weights written behind its back (`model.load_state_dict`: use
 `load_full_state_dict`), `model.to(...)` after sharding, frozen parameters kept whole rather
 than sharded, a backward that raises halfway (its end-of-backward callback never runs).
@@ -66,6 +77,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten
 
 from .. import comm
+from ..constants import CHUNK_NUMEL
 from ..errors import ShardingError
 from ..memory import release_freed_memory
 from .partition import plan_layout
@@ -94,10 +106,12 @@ class GatherPool:
 
     pooled = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, limit: int | None = None):
         if not enabled:
             self.pooled = False
+        self.limit = limit  # at most this many storages, lent and free (parameter offload: buffer_count)
         self.free = {}  # (nbytes, device) -> [UntypedStorage]
+        self.lent = 0
         self.created = 0
         self.created_bytes = 0
 
@@ -108,9 +122,12 @@ class GatherPool:
             storage.resize_(nbytes)
             return None
         free = self.free.setdefault((nbytes, storage.device), [])
+        self.lent += 1
         if free:
             slot = free.pop()
         else:
+            if self.limit is not None and self.lent + self.free_count > self.limit:
+                self._drop_one()  # a free storage of another size goes: the limit counts storages
             slot = torch.UntypedStorage(nbytes, device=storage.device)
             self.created += 1
             self.created_bytes += nbytes
@@ -124,7 +141,18 @@ class GatherPool:
             storage.resize_(0)
             return
         storage._swap_data_ptr_(slot)
+        self.lent -= 1
         self.free[(slot.nbytes(), slot.device)].append(slot)
+
+    @property
+    def free_count(self) -> int:
+        return sum(len(slots) for slots in self.free.values())
+
+    def _drop_one(self) -> None:
+        for slots in self.free.values():
+            if slots:
+                slots.pop()
+                return
 
     @property
     def free_bytes(self) -> int:
@@ -140,7 +168,8 @@ class FlatParams:
     optimizer's view of the shard. Also what `GradReducer` needs of a flat group: `layout`,
     `params`, `buffer` (its device), `dtype` and `add_to_grad`."""
 
-    def __init__(self, params: list, names: list, key, rank: int, world_size: int, group, pool: GatherPool):
+    def __init__(self, params: list, names: list, key, rank: int, world_size: int, group, pool: GatherPool,
+                 store=None, name: str = ""):  # fmt: skip
         self.params, self.names, self.key = params, names, key
         self.rank, self.group, self.pool = rank, group, pool
         numels = [p.numel() for p in params]
@@ -155,23 +184,37 @@ class FlatParams:
                 self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
                 p.data = self.buffer[slot.offset : slot.offset + slot.numel].view(p.shape)
             comm.broadcast(self.buffer, 0, group)  # every rank starts from rank 0's weights
-            self.shard = self.buffer[slice(*self.bucket.slice_range(rank))].clone()
+            mine = self.buffer[slice(*self.bucket.slice_range(rank))]
+            self.store, self.store_name = store, name
+            if store is None:
+                self.shard = mine.clone()
+            else:  # [Note: parameter offload]
+                store.write(name, 0, mine)
+                self.shard = None if store.on_disk(name) else store.tensor(name)
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.offloaded = False
-        if first.dtype == torch.float32:
+        self.grad_stored = False  # the gradient shard lives in the parameter store (on disk)
+        self.grad_sq = 0.0  # then: its squared 2-norm, kept as backward writes it
+        if store is not None:  # the fp32 master lives in the offload engine's store: no copy here
+            self.master = None
+            self.shard_param = torch.nn.Parameter(torch.empty(self.layout.shard_numel, device="meta"))
+        elif first.dtype == torch.float32:
             self.master = None
             self.shard_param = torch.nn.Parameter(self.shard)  # shares the shard's storage
         else:
             self.master = self.shard.float()
             self.shard_param = torch.nn.Parameter(self.master)
         self._master_version = self.shard_param._version
-        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=first.device)
+        # with a store, made when the optimizer says where and in what dtype (`configure`)
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32,
+                                device=first.device if store is None else "meta")  # fmt: skip
         self.stale = {0}  # the gradient shard holds nothing of this step yet (counts as zero)
         self.accumulated = False  # a second backward added into it before the step
         self.edited = False  # weights written through `ShardedModel.gathered(writeback=True)`
         self.buffer.untyped_storage().resize_(0)  # from now on its memory comes from the pool
         self.slot, self.attached = None, False  # the pool's token while the buffer has memory
         self.pending = None  # the handle of an asynchronous gather in flight
+        self.loading = None  # the future of this rank's shard being read from disk into the buffer
         self.gathered = False  # the gather has completed
 
     @property
@@ -181,6 +224,9 @@ class FlatParams:
     @torch.no_grad()
     def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
         """The gradient shard += alpha * values (= when stale: after `zero_grad`, or never written)."""
+        if self.grad_stored:
+            self._add_to_stored_grad(values, alpha)
+            return
         if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
             self.shard_param.grad = self.grad
             self.stale = {0}
@@ -194,19 +240,53 @@ class FlatParams:
             target.add_(values, alpha=alpha)
             self.accumulated = True
 
+    def _add_to_stored_grad(self, values: torch.Tensor, alpha: float) -> None:
+        """[Note: parameter offload] The reduced slice goes to the store as backward makes it, its
+        squared norm kept on the way (the sum's, when micro-batches accumulate)."""
+        total = torch.empty(values.numel(), dtype=self.grad.dtype)
+        if self.stale:  # as `add_to_grad` does in memory, operation for operation
+            total.copy_(values)
+            if alpha != 1.0:
+                total.mul_(alpha)
+            self.stale = set()
+        else:
+            self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
+            self.accumulated = True
+        self.store.write(self.grad_name, 0, total)
+        self.grad_sq = _square_sum(total)
+
+    @torch.no_grad()
+    def read_grad(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Gradient shard elements [start, start + out.numel()) into `out` (of the gradient's dtype)."""
+        if self.grad_stored:
+            return self.store.read(self.grad_name, start, out)
+        return out.copy_(self.grad[start : start + out.numel()])
+
     # -- what `ShardedOptimizer(stage=3)` and its steppers use of a flat (as of `flat.FlatGroup`):
     # the shard stands where FlatGroup has this rank's slice of the buffer, and nothing is
     # all-gathered after the step (the next forward gathers).
     def configure(self, offloaded: bool, grad_dtype=None) -> None:
         """For `ShardedOptimizer`: with `offloaded` the fp32 master lives in the offload store (no
         copy here) and the gradient shard is kept in `grad_dtype` (default: the parameters')."""
+        if self.store is not None and not offloaded:
+            raise ShardingError("offload_param keeps the parameter shards out of memory, but the optimizer steps fp32 "
+                                "masters in memory: offload the optimizer too (offload_optimizer.device cpu or "
+                                "nvme; --sharded_ddp \"zero_dp_3 offload\")")  # fmt: skip
         self.offloaded = offloaded
         dtype = grad_dtype or (self.dtype if offloaded else torch.float32)
         if offloaded:
             self.master = None
             self.shard_param.grad = None
-        if dtype != self.grad.dtype:
-            self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.grad.device)
+        if self.store is not None and self.shard is None:  # parameters on disk: the gradients too
+            self.grad_name = self.store_name.replace(".param", ".grad")
+            if not self.grad_stored:
+                self.store.add(self.grad_name, self.layout.shard_numel, dtype, on_disk=True)
+            self.grad_stored = True
+            self.grad = torch.empty(self.layout.shard_numel, dtype=dtype, device="meta")  # shape and dtype
+            return
+        if dtype != self.grad.dtype or self.grad.device.type == "meta":
+            device = self.buffer.device
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
         if not offloaded:
             self.shard_param.grad = self.grad
 
@@ -221,10 +301,15 @@ class FlatParams:
     @torch.no_grad()
     def write_shard(self, start: int, values: torch.Tensor, non_blocking: bool = False) -> None:
         """This rank's parameters, shard elements [start, start + len(values)) <- `values` (cast)."""
+        if self.shard is None:
+            self.store.write(self.store_name, start, values.to(self.dtype))
+            return
         self.shard[start : start + values.numel()].copy_(values, non_blocking=non_blocking)
 
     @torch.no_grad()
     def read_shard(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        if self.shard is None:
+            return out.copy_(self.store.read(self.store_name, start, torch.empty(out.numel(), dtype=self.dtype)))
         return out.copy_(self.shard[start : start + out.numel()])
 
     @torch.no_grad()
@@ -247,7 +332,13 @@ class FlatParams:
     @torch.no_grad()
     def zero_stale(self) -> None:
         if self.stale:
-            self.grad.zero_()
+            if self.grad_stored:
+                zeros = torch.zeros(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
+                for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
+                    self.store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, self.layout.shard_numel - start)])
+                self.grad_sq = 0.0
+            else:
+                self.grad.zero_()
         self.stale = set()
 
     @torch.no_grad()
@@ -259,6 +350,18 @@ class FlatParams:
             self._master_version = self.shard_param._version
 
     # -- see [Note: free and re-gather]
+    def load(self) -> None:
+        """Give the buffer memory and start reading this rank's shard from disk into its slice
+        (on the store's reader thread), ahead of the gather. Not collective."""
+        if self.attached:
+            return
+        self.slot, self.attached = self.pool.attach(self.buffer, self.nbytes), True
+        if self.shard is None:
+            self.loading = self.store.read_async(self.store_name, 0, self._mine())
+
+    def _mine(self) -> torch.Tensor:
+        return self.buffer[slice(*self.bucket.slice_range(self.rank))]
+
     def start_gather(self) -> None:
         """Refill the flat buffer from every rank's shard, asynchronously. Collective."""
         if self.gathered or self.pending is not None:
@@ -267,9 +370,14 @@ class FlatParams:
             with torch.no_grad():
                 self.shard.copy_(self.master)  # the step's update, in the parameters' dtype
             self._master_version = self.shard_param._version
-        self.slot, self.attached = self.pool.attach(self.buffer, self.nbytes), True
+        self.load()
+        if self.loading is not None:
+            with record_function("trainer_shard::zero3_param_read_wait"):
+                self.loading.result()
+            self.loading = None
         with record_function("trainer_shard::zero3_all_gather"):
-            self.pending = comm.all_gather(self.buffer, self.shard, self.group, async_op=True)
+            mine = self._mine() if self.shard is None else self.shard
+            self.pending = comm.all_gather(self.buffer, mine, self.group, async_op=True)
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -282,6 +390,9 @@ class FlatParams:
         if self.pending is not None:  # a prefetch never used: let it land first
             self.pending.wait()
             self.pending = None
+        if self.loading is not None:  # a read ahead never used: the same
+            self.loading.result()
+            self.loading = None
         if self.attached:
             self.pool.detach(self.buffer, self.slot)
             self.slot, self.attached = None, False
@@ -290,7 +401,10 @@ class FlatParams:
     @torch.no_grad()
     def write_back(self) -> None:
         """Shard (and fp32 master) <- this rank's slice of the gathered buffer, edited in place."""
-        self.shard.copy_(self.buffer[slice(*self.bucket.slice_range(self.rank))])
+        if self.shard is None:
+            self.store.write(self.store_name, 0, self._mine())
+        else:
+            self.shard.copy_(self._mine())
         if self.master is not None:
             self.master.copy_(self.shard)
             self._master_version = self.shard_param._version
@@ -298,7 +412,16 @@ class FlatParams:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard.numel() * self.shard.element_size()
+        """Bytes of this rank's parameter shard in memory (0 on disk)."""
+        return 0 if self.shard is None else self.shard.numel() * self.shard.element_size()
+
+
+def _square_sum(t: torch.Tensor) -> float:
+    """sum(t ** 2), in fp64 a chunk at a time (no full-size fp32 or fp64 copy)."""
+    total = 0.0
+    for start in range(0, t.numel(), CHUNK_NUMEL):
+        total += float(t[start : start + CHUNK_NUMEL].double().pow(2).sum())
+    return total
 
 
 class Unit:
@@ -317,6 +440,15 @@ class Unit:
     @property
     def gathered(self) -> bool:
         return any(part.gathered or part.pending is not None for part in self.parts)
+
+    @property
+    def attached(self) -> bool:
+        """Its buffers have memory (gathered, gathering, or read ahead from disk)."""
+        return any(part.attached for part in self.parts)
+
+    def load(self) -> None:
+        for part in self.parts:
+            part.load()
 
     def start_gather(self) -> None:
         if self.check is not None and not self.gathered:
@@ -340,8 +472,9 @@ class ShardedModel:
 
     def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch,
                  group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True,
-                 release_memory: bool = True):  # fmt: skip
+                 release_memory: bool = True, param_offload=None):  # fmt: skip
         self.model, self.group, self.prefetch = model, group, prefetch
+        self.param_offload = param_offload
         self.release_memory = release_memory
         self.reduce_dtype = reduce_dtype
         self.rank, self.world_size = comm.rank_and_size(group)
@@ -359,14 +492,18 @@ class ShardedModel:
             else:
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype), []).append(p)
         frozen_users = _units_using_frozen(model, unit_modules)
-        self.pool = GatherPool(gather_pool)
+        self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None)
         module_names = {id(m): name for name, m in model.named_modules()}
         self.gathers = 0  # unit gathers started, counted alike on every rank: [Note: diverging calls]
         check = self._check_same_call if self.world_size > 1 and check_calls else None
+        groups = [ps for module in unit_modules for ps in by_unit[id(module)].values()]
+        self.store = self._open_store(groups, module_names, unit_modules, by_unit) if param_offload else None
+        index = iter(range(len(groups)))
         for module in unit_modules:  # the root last in the list: see `_unit_modules`
             if not by_unit[id(module)]:
                 continue
-            parts = [FlatParams(ps, [names[p] for p in ps], key, self.rank, self.world_size, group, self.pool)
+            parts = [FlatParams(ps, [names[p] for p in ps], key, self.rank, self.world_size, group, self.pool,
+                                self.store, f"{next(index)}.param")
                      for (key, _), ps in by_unit[id(module)].items()]  # fmt: skip
             name = module_names.get(id(module)) or "the model"
             self.units.append(Unit(module, parts, id(module) not in frozen_users, name, check))
@@ -385,6 +522,24 @@ class ShardedModel:
         self._wrapped_methods = []
         if hasattr(model, "generate"):
             self.register_forward_method("generate")
+
+    def _open_store(self, groups: list, module_names: dict, unit_modules: list, by_unit: dict):
+        """[Note: parameter offload] The parameter store, sized for every flat buffer's shard at
+        once (one check for room on disk); a unit larger than `buffer_size` is refused here."""
+        from ..offload.param_store import ParamStore
+
+        spec, sizes = self.param_offload, {}
+        for module in unit_modules:
+            numel = sum(p.numel() for ps in by_unit[id(module)].values() for p in ps)
+            if numel > spec.buffer_size:
+                raise ShardingError(f"offload_param: the unit {module_names.get(id(module)) or 'the model'!r} holds "
+                                    f"{numel:,} sharded elements, more than buffer_size {spec.buffer_size:,}; raise "
+                                    f"offload_param.buffer_size to at least {numel:,}, or wrap smaller units")  # fmt: skip
+        for i, ps in enumerate(groups):
+            numels = [p.numel() for p in ps]
+            layout = plan_layout(numels, self.world_size, bucket_numel=sum(numels), order=range(len(ps)))
+            sizes[f"{i}.param"] = (layout.shard_numel, ps[0].dtype)
+        return ParamStore(spec, sizes, rank=self.rank)
 
     def _install_hooks(self, unit_modules: list) -> None:
         self.reducer = GradReducer(self.group, reduce_dtype=self.reduce_dtype)
@@ -450,16 +605,19 @@ class ShardedModel:
     def held_parameter_bytes(self) -> dict:
         """Bytes of parameters this rank holds right now, by kind: "shards" (each unit's slice, in
         the parameters' dtype), "masters" (separate fp32 masters, 16-bit only), "persistent"
-        (whole small parameters), "gathered" (flat buffers alive now; 0 between steps) and
-        "pool" (gather buffers kept for reuse, attached to no unit now); besides, "grad_shards"
-        (the fp32 gradient shards, kept between steps)."""
+        (whole small parameters), "gathered" (flat buffers alive now, read ahead from disk
+        included; 0 between steps) and "pool" (gather buffers kept for reuse, attached to no
+        unit now); besides, "grad_shards" (the gradient shards in memory, kept between steps)
+        and "on_disk" (parameter and gradient shards in the parameter store's files)."""
         return {
             "shards": sum(part.shard_bytes for part in self.parts),
             "masters": sum(part.master.numel() * 4 for part in self.parts if part.master is not None),
             "persistent": sum(p.numel() * p.element_size() for p in self.persistent),
             "gathered": sum(part.buffer.untyped_storage().nbytes() for part in self.parts),
             "pool": self.pool.free_bytes,
-            "grad_shards": sum(part.grad.numel() * 4 for part in self.parts),
+            "grad_shards": sum(part.grad.numel() * part.grad.element_size() for part in self.parts
+                               if part.grad.device.type != "meta"),
+            "on_disk": self.store.bytes()["disk"] if self.store is not None else 0,
         }
 
     # -- whole parameters on demand
@@ -544,6 +702,8 @@ class ShardedModel:
     def close(self) -> None:
         """Remove the hooks and empty the gather pool (the parameters stay sharded)."""
         self.pool.clear()
+        if self.store is not None:
+            self.store.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -564,8 +724,7 @@ class ShardedModel:
             if unit is not None:
                 self._order.append(unit)
         else:
-            for ahead in self._ahead(unit, self._next):
-                ahead.start_gather()
+            self._prefetch(unit, self._next)
 
     def _post_forward(self, unit, is_root, module, args, output):
         if is_root and self._recording:
@@ -591,8 +750,7 @@ class ShardedModel:
         if not unit.for_backward:  # a unit run twice in forward gets this hook twice
             unit.for_backward = True
             unit.grads_seen = 0
-        for ahead in self._ahead(unit, self._prev):  # backward runs the forward order in reverse
-            ahead.start_gather()
+        self._prefetch(unit, self._prev)  # backward runs the forward order in reverse
 
     def _check_same_call(self, unit) -> None:
         """[Note: diverging calls] Ranks that run their modules a different number of times (a
@@ -615,6 +773,31 @@ class ShardedModel:
         raise ShardingError(f"ZeRO-3: the ranks ran different modules, so their gathers no longer pair up ({said}); "
                             "every rank must call the same modules the same number of times (generate() with "
                             "synced_gpus=True; no module run on some ranks only)")  # fmt: skip
+
+    def _prefetch(self, unit, following: dict) -> None:
+        """Start gathering the units `_ahead` of `unit`; with parameters on disk, also start
+        reading the ones after them, while at most `buffer_count` units have buffers alive."""
+        if self.store is None:
+            for ahead in self._ahead(unit, following):
+                ahead.start_gather()
+            return
+        room = self.param_offload.buffer_count - sum(u.attached for u in self.units)
+        gathering = set()
+        for ahead in self._ahead(unit, following):
+            if not ahead.attached:
+                if room <= 0:
+                    return
+                room -= 1
+            ahead.start_gather()
+            gathering.add(ahead)
+        if self.store.disk is None:
+            return
+        seen = 0
+        while room > 0 and unit in following and seen < len(self._order):
+            unit, seen = following[unit], seen + 1
+            if unit not in gathering and not unit.attached:
+                unit.load()
+                room -= 1
 
     def _ahead(self, unit, following: dict):
         """The units to prefetch when `unit` starts: the next one with `prefetch` True, else the
@@ -669,7 +852,7 @@ def sharded_part(param):
 
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                 prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None,
-                check_calls: bool = True, release_memory: bool = True) -> ShardedModel:  # fmt: skip
+                check_calls: bool = True, release_memory: bool = True, param_offload=None) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the module docstring. Collective.
 
     Args:
@@ -694,13 +877,16 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
             back to the OS (`memory.release_freed_memory`): glibc keeps the step's full
             gradients and reduce buckets resident otherwise. Measured on t5-small (2 ranks):
             35-57 ms a call, peak RSS 90-120 MiB lower (bench/results/zero3.md).
+        param_offload: an `offload.param_store.ParamOffloadSpec`: each unit's parameter shard
+            lives in CPU RAM or on disk between uses (see [Note: parameter offload]); the
+            optimizer must be offloaded too (`ShardedOptimizer(..., offload=...)`).
     """
     if int(persistence_threshold) < 0:
         raise ShardingError(f"persistence_threshold must be 0 or more, got {persistence_threshold}")
     if not isinstance(prefetch, bool) and int(prefetch) < 0:
         raise ShardingError(f"prefetch must be True, False or a number of elements >= 0, got {prefetch}")
     return ShardedModel(model, _unit_modules(model, units), group, int(persistence_threshold), prefetch, group_fn,
-                        gather_pool, reduce_dtype, check_calls, release_memory)
+                        gather_pool, reduce_dtype, check_calls, release_memory, param_offload)
 
 
 def _unit_modules(model, units) -> list:

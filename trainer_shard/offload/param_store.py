@@ -1,0 +1,123 @@
+"""ZeRO-3 parameter offload: where a rank's parameter shards (and, on disk, its gradient shards)
+live between uses. `zero3.shard_model(..., param_offload=ParamOffloadSpec(...))` drives it.
+
+    spec = ParamOffloadSpec("nvme", nvme_path="/scratch/params", buffer_count=5)
+    sharded = shard_model(model, units=[T5Block], param_offload=spec)
+
+- device "cpu": each unit's parameter shard is a tensor in CPU RAM (page-locked with
+  `pin_memory` when CUDA is present, so the copy to the device before the all-gather runs
+  asynchronously); gradients stay where the optimizer keeps them.
+- device "nvme": each unit's parameter shard is a file under `<nvme_path>/zero3_params/rank<R>/`
+  (a `DiskStore`: locked for the run, checked for room before anything is written, deleted at
+  the end), and so is its gradient shard; the first units up to `max_in_cpu` elements stay in
+  RAM instead, as DeepSpeed keeps them. Reads run on one background thread: the sharded model
+  starts them in the recorded order of its units (forward, then backward's reverse), into the
+  gather buffer the unit will use, so at most `buffer_count` units' buffers are alive at once.
+
+[Note: parameter store names] "<i>.param" and "<i>.grad" for the i-th flat buffer of the model
+(units in order, one per param-group key and dtype), in the parameters' dtype and the gradient
+shard's; the offload engine's optimizer store is another store ("<i>.master", ...).
+"""
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .store import CpuStore, DiskStore, bytes_needed
+
+logger = logging.getLogger(__name__)
+
+PARAM_FOLDER = "zero3_params"
+
+
+@dataclass(frozen=True)
+class ParamOffloadSpec:
+    """Where ZeRO-3 parameter shards live between uses (the `offload_param` section of the config)."""
+
+    device: str  # "cpu" | "nvme"
+    nvme_path: str | None = None
+    buffer_count: int = 5  # units whose gather buffers may be alive at once (read ahead + running)
+    buffer_size: int = 100_000_000  # elements of the largest unit a buffer must hold (checked)
+    max_in_cpu: int = 1_000_000_000  # nvme: parameter elements kept in RAM, the first units'
+    pin_memory: bool = False
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "nvme"):
+            raise ValueError(f"offload_param device must be 'cpu' or 'nvme', got {self.device!r}")
+        if self.device == "nvme" and not self.nvme_path:
+            raise ValueError("offload_param device 'nvme' needs nvme_path")
+        if self.buffer_count < 2:
+            raise ValueError(f"offload_param buffer_count must be at least 2 (the running unit and the model's "
+                             f"root), got {self.buffer_count}")  # fmt: skip
+        if self.buffer_size < 1 or self.max_in_cpu < 0:
+            raise ValueError("offload_param buffer_size must be at least 1 and max_in_cpu at least 0")
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.nvme_path) / PARAM_FOLDER
+
+
+class ParamStore:
+    """This rank's parameter shards ("<i>.param") and, for those on disk, gradient shards
+    ("<i>.grad"): see the module docstring and [Note: parameter store names]."""
+
+    def __init__(self, spec: ParamOffloadSpec, sizes: dict, *, rank: int = 0):
+        """`sizes`: {name: (numel, dtype)} of the parameter shards, in the units' order."""
+        self.spec, self.rank = spec, rank
+        ram, disk, kept = {}, {}, 0
+        for name, (numel, dtype) in sizes.items():
+            if spec.device == "cpu" or kept + numel <= spec.max_in_cpu:
+                ram[name], kept = (numel, dtype), kept + numel
+            else:
+                disk[name] = (numel, dtype)
+        self.ram = CpuStore(ram, pin_memory=spec.pin_memory)
+        self.disk = DiskStore(disk, spec.folder, rank=rank) if disk else None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-params") if disk else None
+        if disk:
+            logger.info("offload_param: %s bytes of parameter shards on disk in %s, %s in RAM",
+                        f"{bytes_needed(disk):,}", self.disk.folder, f"{bytes_needed(ram):,}")  # fmt: skip
+        self.reads = self.writes = 0  # bytes moved to and from the disk, for the benchmarks
+
+    def on_disk(self, name: str) -> bool:
+        return self.disk is not None and name in self.disk.sizes
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A RAM-held shard, in place."""
+        numel, _ = self.ram.sizes[name]
+        return self.ram.view(name, 0, numel)
+
+    def add(self, name: str, numel: int, dtype, *, on_disk: bool) -> None:
+        (self.disk if on_disk else self.ram).add({name: (numel, dtype)})
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
+        if self.on_disk(name):
+            self.reads += out.numel() * out.element_size()
+            return self.disk.read(name, start, out)
+        return self.ram.read(name, start, out)
+
+    def read_async(self, name: str, start: int, out: torch.Tensor):
+        """A future of `read` on the reader thread (disk only)."""
+        return self._reader.submit(self.read, name, start, out)
+
+    def write(self, name: str, start: int, data: torch.Tensor) -> None:
+        if self.on_disk(name):
+            self.writes += data.numel() * data.element_size()
+            self.disk.write(name, start, data)
+        else:
+            self.ram.write(name, start, data)
+
+    def bytes(self) -> dict:
+        """{"ram": bytes held in RAM, "disk": bytes in files}."""
+        return {"ram": bytes_needed(self.ram.sizes), "disk": bytes_needed(self.disk.sizes) if self.disk else 0}
+
+    def close(self) -> None:
+        """Free the RAM shards and delete the files. Idempotent."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+        self.ram.close()
+        if self.disk is not None:
+            self.disk.close()
