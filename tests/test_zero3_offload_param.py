@@ -97,3 +97,55 @@ def test_param_offload_holds_at_most_buffer_count_units(tmp_path):
     """Between units a rank holds at most buffer_count x the largest unit (plus the persistent
     parameters), by the engine's account, and its RSS agrees."""
     spawn(held_between_units, 1, str(tmp_path))
+
+
+def test_meta_model_loads_a_tensor_at_a_time_into_the_store(tmp_path):
+    """A checkpoint written without the model in memory (write_random_t5), read into a model
+    built on the meta device with its parameters on disk, is the model `from_pretrained` loads;
+    and T5's initialization is what the builder wrote."""
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    from trainer_shard.demo import write_random_t5
+    from trainer_shard.sharding import shard_model
+    from trainer_shard.sharding.zero3_weights import checkpoint_weights
+
+    config = T5Config(vocab_size=300, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    write_random_t5(config, tmp_path / "model", torch.bfloat16, seed=1)
+    want = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "model")
+    assert want.dtype == torch.bfloat16 and want.lm_head.weight is want.shared.weight
+    stds = {n: float(p.float().std()) for n, p in want.named_parameters()}
+    assert stds["shared.weight"] == pytest.approx(1.0, rel=0.05)
+    assert stds["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == pytest.approx(256**-0.5, rel=0.05)
+    assert float(want.encoder.final_layer_norm.weight.float().min()) == 1.0
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config).to(torch.bfloat16)
+    weights = checkpoint_weights(tmp_path / "model")
+    spec = ParamOffloadSpec("nvme", nvme_path=str(tmp_path / "params"), max_in_cpu=0)
+    sharded = shard_model(model, units=[T5Block], weights=weights, param_offload=spec)
+    weights.close()
+    assert sharded.held_parameter_bytes()["shards"] == 0 and model.lm_head.weight is model.shared.weight
+    got = sharded.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    ids = torch.randint(2, 300, (2, 8))
+    want.train()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, labels=ids).logits, want(input_ids=ids, labels=ids).logits)
+    sharded.close()
+    assert not (tmp_path / "params" / "zero3_params" / "rank0").exists()
+
+
+def test_meta_model_without_weights_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from trainer_shard import ShardingError
+    from trainer_shard.sharding import shard_model
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                    num_heads=4))  # fmt: skip
+    with pytest.raises(ShardingError, match="meta device.*weights="):
+        shard_model(model, units=[T5Block])
+    with pytest.raises(ShardingError, match="not there, e.g."):
+        shard_model(model, units=[T5Block], weights={"shared.weight": torch.zeros(64, 32)})

@@ -41,7 +41,7 @@ def train(rank, world_size, units, offload=None, param_offload=None):
         assert held["gathered"] == 0
         if param_offload is not None and param_offload.device == "nvme":  # max_in_cpu 0 here: nothing in memory
             assert held["shards"] == held["grad_shards"] == 0 and held["on_disk"] > 0
-            assert sharded.store.reads > 0 and sharded.store.writes > 0
+            assert sharded.store.disk.stats["read_bytes"] > 0 and sharded.store.disk.stats["write_bytes"] > 0
     return sharded.full_state_dict(), norms
 
 

@@ -184,6 +184,7 @@ def build_demo_model(
     seed: int = 0,
     model_vocab_size: int | None = None,
     dtype: str = "float32",
+    streaming: bool = False,
 ) -> Path:
     """Train the tokenizer, build a fresh small T5 and save both to ``out_dir``.
 
@@ -194,7 +195,9 @@ def build_demo_model(
     The result loads offline with ``AutoTokenizer``/``AutoModelForSeq2SeqLM``.
     Example, the t5-3b architecture (2.85 B parameters, 5.7 GB in bf16):
     ``d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128,
-    model_vocab_size=32128, dtype="bfloat16"``.
+    model_vocab_size=32128, dtype="bfloat16"``. ``streaming`` writes the weights a tensor at a
+    time without building the model in memory (``write_random_t5``): for architectures bigger
+    than RAM (t5-11b: ``d_ff=65536, num_heads=128``, the rest as t5-3b).
     """
     import torch
     from transformers import T5ForConditionalGeneration
@@ -211,6 +214,12 @@ def build_demo_model(
         num_heads=num_heads,
         dropout_rate=dropout_rate,
     )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    if streaming:
+        write_random_t5(config, out, getattr(torch, dtype), seed)
+        return out
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, dtype))  # initialize in the target dtype: no fp32 copy
@@ -219,10 +228,59 @@ def build_demo_model(
     finally:
         torch.set_default_dtype(previous)
     model.generation_config.max_length = GENERATION_MAX_LENGTH
+    model.save_pretrained(out)
+    return out
+
+
+def _t5_init(name: str, config) -> tuple[str, float]:
+    """("normal", std) or ("constant", value): what ``T5PreTrainedModel._init_weights`` gives
+    parameter ``name`` (transformers 5), by its name."""
+    f, d_model, d_kv, heads = config.initializer_factor, config.d_model, config.d_kv, config.num_heads
+    leaf = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+    if name.endswith("layer_norm.weight"):
+        return "constant", f * 1.0
+    if name in ("shared.weight", "lm_head.weight") or name.endswith("embed_tokens.weight"):
+        return "normal", f * 1.0
+    if ".DenseReluDense." in name:
+        return "normal", f * (config.d_ff**-0.5 if leaf == "wo" else d_model**-0.5)
+    if name.endswith("relative_attention_bias.weight"):
+        return "normal", f * d_model**-0.5
+    stds = {"q": (d_model * d_kv) ** -0.5, "k": d_model**-0.5, "v": d_model**-0.5, "o": (heads * d_kv) ** -0.5}
+    if leaf in stds and ("Attention." in name):
+        return "normal", f * stds[leaf]
+    raise ValueError(f"no T5 initialization rule for parameter {name!r}")
+
+
+def write_random_t5(config, out_dir, dtype, seed: int = 0, max_shard_size: int = 5 * 2**30) -> Path:
+    """A randomly initialized ``T5ForConditionalGeneration`` of ``config`` saved to ``out_dir``
+    (safetensors files and config.json, as ``save_pretrained`` writes them) without the model
+    ever in memory: built on the meta device, each tensor generated and written a chunk at a time
+    (16 M elements), with T5's initialization (``_t5_init``); a chunk's values depend only on
+    ``seed``, the tensor and the chunk. For architectures bigger than RAM (t5-11b: 21 GiB in bf16)."""
+    import torch
+    from transformers import GenerationConfig, T5ForConditionalGeneration
+
+    from .checkpoint import Chunked, save_sharded
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    tensors = {}
+    for index, (name, p) in enumerate(model.named_parameters()):
+        kind, value = _t5_init(name, config)
+
+        def read(start, out, index=index, kind=kind, value=value):
+            if kind == "constant":
+                return out.fill_(value)
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + index * 65_537 + start)
+            return out.normal_(0.0, value, generator=generator)
+
+        tensors[name] = Chunked(dtype, p.shape, read)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
+    save_sharded(tensors, out, max_shard_size)
+    config.torch_dtype = dtype
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     return out
 
 
@@ -273,6 +331,9 @@ def build_demo_model_main(argv: Sequence[str] | None = None) -> int:
         "--dropout_rate", type=float, default=d["dropout_rate"],
         help=f"default {d['dropout_rate']}",
     )
+    parser.add_argument("--streaming", action="store_true",
+                        help="write the weights a tensor at a time, never building the model in memory "
+                             "(architectures bigger than RAM)")  # fmt: skip
     args = parser.parse_args(argv)
     kwargs = vars(args)
     data_dir, out_dir = kwargs.pop("data_dir"), kwargs.pop("out_dir")

@@ -79,7 +79,6 @@ class ParamStore:
         if disk:
             logger.info("offload_param: %s bytes of parameter shards on disk in %s, %s in RAM",
                         f"{bytes_needed(disk):,}", self.disk.folder, f"{bytes_needed(ram):,}")  # fmt: skip
-        self.reads = self.writes = 0  # bytes moved to and from the disk, for the benchmarks
 
     def on_disk(self, name: str) -> bool:
         return self.disk is not None and name in self.disk.sizes
@@ -94,7 +93,6 @@ class ParamStore:
 
     def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
         if self.on_disk(name):
-            self.reads += out.numel() * out.element_size()
             return self.disk.read(name, start, out)
         return self.ram.read(name, start, out)
 
@@ -104,7 +102,6 @@ class ParamStore:
 
     def write(self, name: str, start: int, data: torch.Tensor) -> None:
         if self.on_disk(name):
-            self.writes += data.numel() * data.element_size()
             self.disk.write(name, start, data)
         else:
             self.ram.write(name, start, data)

@@ -64,6 +64,12 @@ norm kept (`grad_sq`), so clipping needs no pass over the files. The optimizer m
 offloaded as well: its engine reads the gradient chunk by chunk and writes the updated
 parameters back to the store (`write_shard`).
 
+[Note: meta-device model] A model whose weights do not fit in memory is built on the meta
+device (shapes only) and sharded with `weights`: each unit's flat buffer is filled from it a
+tensor at a time, the rank's shard kept (or written to the parameter store), the buffer freed,
+before the next unit; the parameter objects stay the same (`torch.utils.swap_tensors` gives each
+its real tensor), so ties and names are the model's. Persistent parameters are read whole.
+
 Not handled yet: weights written behind its back (`model.load_state_dict`: use
 `load_full_state_dict`), `model.to(...)` after sharding, frozen parameters kept whole rather
 than sharded, a backward that raises halfway (its end-of-backward callback never runs).
@@ -169,7 +175,7 @@ class FlatParams:
     `params`, `buffer` (its device), `dtype` and `add_to_grad`."""
 
     def __init__(self, params: list, names: list, key, rank: int, world_size: int, group, pool: GatherPool,
-                 store=None, name: str = ""):  # fmt: skip
+                 store=None, name: str = "", fetch=None, device=None):  # fmt: skip
         self.params, self.names, self.key = params, names, key
         self.rank, self.group, self.pool = rank, group, pool
         numels = [p.numel() for p in params]
@@ -178,11 +184,17 @@ class FlatParams:
         self.bucket = self.layout.buckets[0]
         self.segments = self.layout.segments(rank)
         first = params[0]
-        self.buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=first.device)
+        device = device if first.device.type == "meta" else first.device
+        self.buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=device)
         with torch.no_grad():
             for p, slot in zip(params, self.layout.slots):
-                self.buffer[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-                p.data = self.buffer[slot.offset : slot.offset + slot.numel].view(p.shape)
+                view = self.buffer[slot.offset : slot.offset + slot.numel]
+                if p.device.type == "meta":  # [Note: meta-device model] read now, a tensor at a time
+                    view.copy_(fetch(p).reshape(-1))
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(view.view(p.shape), requires_grad=p.requires_grad))
+                else:
+                    view.copy_(p.detach().reshape(-1))
+                    p.data = view.view(p.shape)
             comm.broadcast(self.buffer, 0, group)  # every rank starts from rank 0's weights
             mine = self.buffer[slice(*self.bucket.slice_range(rank))]
             self.store, self.store_name = store, name
@@ -227,6 +239,10 @@ class FlatParams:
         if self.grad_stored:
             self._add_to_stored_grad(values, alpha)
             return
+        if self.grad.device.type == "meta":
+            raise ShardingError("offload_param: the gradients have nowhere to go before the optimizer is built "
+                                "(ShardedOptimizer(..., stage=3, offload=...)), or configure(offloaded=True) is "
+                                "called on each flat buffer")  # fmt: skip
         if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
             self.shard_param.grad = self.grad
             self.stale = {0}
@@ -472,7 +488,7 @@ class ShardedModel:
 
     def __init__(self, model, unit_modules: list, group, persistence_threshold: int, prefetch,
                  group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True,
-                 release_memory: bool = True, param_offload=None):  # fmt: skip
+                 release_memory: bool = True, param_offload=None, weights=None, device=None):  # fmt: skip
         self.model, self.group, self.prefetch = model, group, prefetch
         self.param_offload = param_offload
         self.release_memory = release_memory
@@ -491,6 +507,8 @@ class ShardedModel:
                 self.persistent_keys.append(key_of[p])
             else:
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype), []).append(p)
+        fetch = _weight_reader(model, weights)
+        device = torch.device(device) if device is not None else _device_of(model)
         frozen_users = _units_using_frozen(model, unit_modules)
         self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None)
         module_names = {id(m): name for name, m in model.named_modules()}
@@ -503,7 +521,7 @@ class ShardedModel:
             if not by_unit[id(module)]:
                 continue
             parts = [FlatParams(ps, [names[p] for p in ps], key, self.rank, self.world_size, group, self.pool,
-                                self.store, f"{next(index)}.param")
+                                self.store, f"{next(index)}.param", fetch, device)
                      for (key, _), ps in by_unit[id(module)].items()]  # fmt: skip
             name = module_names.get(id(module)) or "the model"
             self.units.append(Unit(module, parts, id(module) not in frozen_users, name, check))
@@ -512,6 +530,9 @@ class ShardedModel:
         self.parts = [part for unit in self.units for part in unit.parts]
         with torch.no_grad():
             for p in self.persistent:
+                if p.device.type == "meta":
+                    value = fetch(p).to(device=device, dtype=p.dtype, copy=True)
+                    torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
                 comm.broadcast(p.data, 0, group)  # as the flat buffers: rank 0's weights
         for part in self.parts:
             for p in part.params:
@@ -843,6 +864,45 @@ class ShardedModel:
                     g.copy_(reduced)
 
 
+def _device_of(model) -> torch.device:
+    """Where the flat buffers of a meta-device model go: its first real tensor's device, else the CPU."""
+    real = next((t for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"), None)
+    return real.device if real is not None else torch.device("cpu")
+
+
+def _weight_reader(model, weights):
+    """`fetch(parameter) -> tensor` for the parameters still on the meta device, from `weights` (a
+    mapping read by name: any of a tied parameter's names will do); checks first that every one
+    of them is there, and that no buffer is on the meta device, so nothing is built on a miss."""
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, []).append(name)
+    on_meta = [p for p in names if p.device.type == "meta"]
+    meta_buffers = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if meta_buffers:
+        raise ShardingError(f"buffers {meta_buffers[:3]} are on the meta device; materialize them (module.to_empty, "
+                            "then set their values) before shard_model")  # fmt: skip
+    if not on_meta:
+        return None
+    if weights is None:
+        raise ShardingError(f"{len(on_meta)} parameters are on the meta device (e.g. {names[on_meta[0]][0]!r}); pass "
+                            "their values: shard_model(..., weights=<a mapping of name -> tensor>, such as "
+                            "zero3_weights.checkpoint_weights(folder))")  # fmt: skip
+    missing = [names[p][0] for p in on_meta if not any(n in weights for n in names[p])]
+    if missing:
+        raise ShardingError(f"weights: {len(missing)} parameters of the model are not there, e.g. {missing[:3]}; "
+                            "pass the weights of this model")  # fmt: skip
+
+    def fetch(p):
+        value = weights[next(n for n in names[p] if n in weights)]
+        if tuple(value.shape) != tuple(p.shape):
+            raise ShardingError(f"weights: {names[p][0]!r} has shape {tuple(value.shape)}, the model's is "
+                                f"{tuple(p.shape)}")  # fmt: skip
+        return value
+
+    return fetch
+
+
 def sharded_part(param):
     """(ShardedModel, FlatParams) of a parameter `shard_model` sharded, (ShardedModel, None) for
     one it keeps whole, None for a parameter of no sharded model (an attribute of the parameter:
@@ -852,7 +912,8 @@ def sharded_part(param):
 
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                 prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None,
-                check_calls: bool = True, release_memory: bool = True, param_offload=None) -> ShardedModel:  # fmt: skip
+                check_calls: bool = True, release_memory: bool = True, param_offload=None, weights=None,
+                device=None) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the module docstring. Collective.
 
     Args:
@@ -880,13 +941,18 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
         param_offload: an `offload.param_store.ParamOffloadSpec`: each unit's parameter shard
             lives in CPU RAM or on disk between uses (see [Note: parameter offload]); the
             optimizer must be offloaded too (`ShardedOptimizer(..., offload=...)`).
+        weights: for a model built on the meta device (`with torch.device("meta"): ...`): a
+            mapping name -> tensor its parameters are read from, a tensor at a time, straight
+            into each unit's buffer and store (`zero3_weights.checkpoint_weights(folder)` reads
+            a saved model's safetensors files that way); see [Note: meta-device model].
+        device: where a meta-device model's parameters go (default: the CPU).
     """
     if int(persistence_threshold) < 0:
         raise ShardingError(f"persistence_threshold must be 0 or more, got {persistence_threshold}")
     if not isinstance(prefetch, bool) and int(prefetch) < 0:
         raise ShardingError(f"prefetch must be True, False or a number of elements >= 0, got {prefetch}")
     return ShardedModel(model, _unit_modules(model, units), group, int(persistence_threshold), prefetch, group_fn,
-                        gather_pool, reduce_dtype, check_calls, release_memory, param_offload)
+                        gather_pool, reduce_dtype, check_calls, release_memory, param_offload, weights, device)
 
 
 def _unit_modules(model, units) -> list:

@@ -116,6 +116,13 @@ class _Weights:
             f.close()
 
 
+def checkpoint_weights(folder) -> _Weights:
+    """The weights of a saved model (safetensors files, as `save_pretrained` writes them) as the
+    mapping `shard_model(..., weights=...)` reads a meta-device model from, a tensor at a time.
+    Close it when done (`.close()`)."""
+    return _Weights(folder)
+
+
 @torch.no_grad()
 def load_weights(sharded, folder) -> None:
     """Load the weights `save_weights` (or `save_model`, or `save_pretrained` in safetensors)
