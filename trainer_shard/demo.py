@@ -17,6 +17,7 @@ without the task prefix; the prefix lives in the model config under
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import random
 from pathlib import Path
@@ -251,6 +252,51 @@ def _t5_init(name: str, config) -> tuple[str, float]:
     raise ValueError(f"no T5 initialization rule for parameter {name!r}")
 
 
+class RandomT5Weights:
+    """The weights of a randomly initialized ``T5ForConditionalGeneration`` of ``config`` as a
+    mapping name -> tensor, each tensor made when it is read (what ``write_random_t5`` writes,
+    value for value): ``shard_model(meta_model, weights=RandomT5Weights(config, torch.bfloat16))``
+    builds a model bigger than RAM straight into the parameter store."""
+
+    def __init__(self, config, dtype, seed: int = 0, chunk_numel: int = 2**24):
+        import torch
+        from transformers import T5ForConditionalGeneration
+
+        with torch.device("meta"):
+            model = T5ForConditionalGeneration(config)
+        self.dtype, self.seed, self.chunk_numel = dtype, seed, chunk_numel
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.rules = {name: (index, *_t5_init(name, config)) for index, name in enumerate(self.shapes)}
+
+    def __contains__(self, name) -> bool:
+        return name in self.shapes
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def fill(self, name: str, start: int, out):
+        """Elements [start, start + len(out)) of tensor ``name``, flattened; ``start`` a multiple
+        of ``chunk_numel``: a chunk's values depend only on the seed, the tensor and the chunk."""
+        import torch
+
+        index, kind, value = self.rules[name]
+        if kind == "constant":
+            return out.fill_(value)
+        for offset in range(0, out.numel(), self.chunk_numel):
+            piece = out[offset : offset + self.chunk_numel]
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index * 65_537 + start + offset)
+            piece.normal_(0.0, value, generator=generator)
+        return out
+
+    def __getitem__(self, name):
+        import torch
+
+        shape = self.shapes[name]
+        out = torch.empty(shape, dtype=self.dtype)
+        self.fill(name, 0, out.view(-1))
+        return out
+
+
 def write_random_t5(config, out_dir, dtype, seed: int = 0, max_shard_size: int = 5 * 2**30) -> Path:
     """A randomly initialized ``T5ForConditionalGeneration`` of ``config`` saved to ``out_dir``
     (safetensors files and config.json, as ``save_pretrained`` writes them) without the model
@@ -262,19 +308,9 @@ def write_random_t5(config, out_dir, dtype, seed: int = 0, max_shard_size: int =
 
     from .checkpoint import Chunked, save_sharded
 
-    with torch.device("meta"):
-        model = T5ForConditionalGeneration(config)
-    tensors = {}
-    for index, (name, p) in enumerate(model.named_parameters()):
-        kind, value = _t5_init(name, config)
-
-        def read(start, out, index=index, kind=kind, value=value):
-            if kind == "constant":
-                return out.fill_(value)
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + index * 65_537 + start)
-            return out.normal_(0.0, value, generator=generator)
-
-        tensors[name] = Chunked(dtype, p.shape, read)
+    weights = RandomT5Weights(config, dtype, seed)
+    tensors = {name: Chunked(dtype, shape, functools.partial(weights.fill, name), chunk_numel=weights.chunk_numel)
+               for name, shape in weights.shapes.items()}  # fmt: skip
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_sharded(tensors, out, max_shard_size)

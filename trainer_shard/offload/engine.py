@@ -142,6 +142,7 @@ class OffloadEngine:
         self._io = None
         self._buffers = None  # disk store: `buffer_count` sets of chunk buffers, made at the first step
         self._grad_buffers = {}  # (slot, dtype) -> a chunk buffer for gradients read from a store
+        self._param_buffers = {}  # (slot, dtype) -> a chunk of updated 16-bit parameters being written to one
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -239,9 +240,17 @@ class OffloadEngine:
                 self._fused_chunk(kernel, chunk, grad, step, hyper, fresh, grad_scale)
             else:
                 new_scalars = self._step_chunk(index, chunk, grad)
-            link.put_params(flat, start, chunk["master"], slot)
+            if disk and flat.params_stored:  # ZeRO-3, parameters on disk: written with the state, off this thread
+                key = (slot, flat.dtype)
+                if key not in self._param_buffers:
+                    self._param_buffers[key] = torch.empty(self.spec.chunk_numel, dtype=flat.dtype)
+                params = self._param_buffers[key][: end - start].copy_(chunk["master"])
+                writes[slot] = self._io.submit(self._write, index, start, chunk, flat, params)
+            else:
+                link.put_params(flat, start, chunk["master"], slot)
+                if disk:
+                    writes[slot] = self._io.submit(self._write, index, start, chunk)
             if disk:
-                writes[slot] = self._io.submit(self._write, index, start, chunk)
                 if not prefetch:
                     writes.pop(slot).result()
         if disk:
@@ -303,9 +312,11 @@ class OffloadEngine:
             self._grad_buffers[key] = torch.empty(self.spec.chunk_numel, dtype=flat.grad.dtype)
         return flat.read_grad(start, self._grad_buffers[key][: end - start])
 
-    def _write(self, index: int, start: int, chunk: dict) -> None:
+    def _write(self, index: int, start: int, chunk: dict, flat=None, params=None) -> None:
         for name in self.names:
             self.store.write(self._key(index, name), start, chunk[name])
+        if params is not None:
+            flat.write_shard(start, params)
 
     # ---- state in and out: the `Stepper` interface, see [Note: chunked state access] in sharding/stepper.py
 

@@ -12,13 +12,15 @@ live between uses. `zero3.shard_model(..., param_offload=ParamOffloadSpec(...))`
   the end), and so is its gradient shard; the first units up to `max_in_cpu` elements stay in
   RAM instead, as DeepSpeed keeps them. Reads run on one background thread: the sharded model
   starts them in the recorded order of its units (forward, then backward's reverse), into the
-  gather buffer the unit will use, so at most `buffer_count` units' buffers are alive at once.
+  gather buffer the unit will use, so at most `buffer_count` units' buffers are alive at once;
+  gradient shards are written on another thread, two at most in flight.
 
 [Note: parameter store names] "<i>.param" and "<i>.grad" for the i-th flat buffer of the model
 (units in order, one per param-group key and dtype), in the parameters' dtype and the gradient
 shard's; the offload engine's optimizer store is another store ("<i>.master", ...).
 """
 
+import collections
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,6 +78,8 @@ class ParamStore:
         self.ram = CpuStore(ram, pin_memory=spec.pin_memory)
         self.disk = DiskStore(disk, spec.folder, rank=rank) if disk else None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-params") if disk else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-grads") if disk else None
+        self._writes = collections.deque()  # futures of `write_async`, oldest first
         if disk:
             logger.info("offload_param: %s bytes of parameter shards on disk in %s, %s in RAM",
                         f"{bytes_needed(disk):,}", self.disk.folder, f"{bytes_needed(ram):,}")  # fmt: skip
@@ -100,6 +104,15 @@ class ParamStore:
         """A future of `read` on the reader thread (disk only)."""
         return self._reader.submit(self.read, name, start, out)
 
+    def write_async(self, name: str, start: int, data: torch.Tensor, in_flight: int = 2):
+        """A future of `write` on the writer thread (disk only); `data` must not change until it is
+        done. At most `in_flight` writes wait at once: a third first waits for the oldest."""
+        while len(self._writes) >= in_flight:
+            self._writes.popleft().result()
+        future = self._writer.submit(self.write, name, start, data)
+        self._writes.append(future)
+        return future
+
     def write(self, name: str, start: int, data: torch.Tensor) -> None:
         if self.on_disk(name):
             self.disk.write(name, start, data)
@@ -112,9 +125,10 @@ class ParamStore:
 
     def close(self) -> None:
         """Free the RAM shards and delete the files. Idempotent."""
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)
-            self._reader = None
+        for pool in (self._reader, self._writer):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._reader = self._writer = None
         self.ram.close()
         if self.disk is not None:
             self.disk.close()

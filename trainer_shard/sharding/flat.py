@@ -36,6 +36,7 @@ _TRIM_EVERY = 2**25  # elements moved into the flat buffer between two trims of 
 
 class FlatGroup:
     grad_stored = False  # the gradient shard is `grad`, in memory (ZeRO-3 may keep it on disk)
+    params_stored = False  # and so the parameters
 
     def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, *, offloaded: bool = False,
                  grad_dtype=None):  # fmt: skip

@@ -59,8 +59,8 @@ or a file (device "nvme"; `shard` is None). A shard on disk is read into this ra
 the gather buffer (`load`, on the store's reader thread), started for the units after the
 running one in the recorded order while at most `buffer_count` units have buffers alive, and
 all-gathered in place. Its gradient shard is on disk too: each reduced slice is written as
-backward produces it (summed with what is there when micro-batches accumulate), its squared
-norm kept (`grad_sq`), so clipping needs no pass over the files. The optimizer must be
+backward produces it (on the store's writer thread; summed with what is there when
+micro-batches accumulate), its squared norm kept (`grad_sq`), so clipping needs no pass over the files. The optimizer must be
 offloaded as well: its engine reads the gradient chunk by chunk and writes the updated
 parameters back to the store (`write_shard`).
 
@@ -207,6 +207,7 @@ class FlatParams:
         self.offloaded = False
         self.grad_stored = False  # the gradient shard lives in the parameter store (on disk)
         self.grad_sq = 0.0  # then: its squared 2-norm, kept as backward writes it
+        self._grad_write = None  # the future of its last write
         if store is not None:  # the fp32 master lives in the offload engine's store: no copy here
             self.master = None
             self.shard_param = torch.nn.Parameter(torch.empty(self.layout.shard_numel, device="meta"))
@@ -232,6 +233,11 @@ class FlatParams:
     @property
     def dtype(self):
         return self.buffer.dtype
+
+    @property
+    def params_stored(self) -> bool:
+        """This rank's parameter shard is on disk (the offload engine writes it there)."""
+        return self.shard is None
 
     @torch.no_grad()
     def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
@@ -259,6 +265,7 @@ class FlatParams:
     def _add_to_stored_grad(self, values: torch.Tensor, alpha: float) -> None:
         """[Note: parameter offload] The reduced slice goes to the store as backward makes it, its
         squared norm kept on the way (the sum's, when micro-batches accumulate)."""
+        self._wait_grad_write()
         total = torch.empty(values.numel(), dtype=self.grad.dtype)
         if self.stale:  # as `add_to_grad` does in memory, operation for operation
             total.copy_(values)
@@ -268,13 +275,19 @@ class FlatParams:
         else:
             self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
             self.accumulated = True
-        self.store.write(self.grad_name, 0, total)
         self.grad_sq = _square_sum(total)
+        self._grad_write = self.store.write_async(self.grad_name, 0, total)  # backward goes on meanwhile
+
+    def _wait_grad_write(self) -> None:
+        if self._grad_write is not None:
+            self._grad_write.result()
+            self._grad_write = None
 
     @torch.no_grad()
     def read_grad(self, start: int, out: torch.Tensor) -> torch.Tensor:
         """Gradient shard elements [start, start + out.numel()) into `out` (of the gradient's dtype)."""
         if self.grad_stored:
+            self._wait_grad_write()
             return self.store.read(self.grad_name, start, out)
         return out.copy_(self.grad[start : start + out.numel()])
 
@@ -349,6 +362,7 @@ class FlatParams:
     def zero_stale(self) -> None:
         if self.stale:
             if self.grad_stored:
+                self._wait_grad_write()
                 zeros = torch.zeros(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
                 for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
                     self.store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, self.layout.shard_numel - start)])
