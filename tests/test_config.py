@@ -56,8 +56,19 @@ def problems(tmp_path, data, **kwargs):
         ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "x"}}},
          "$.zero_optimization.cpu_offload", "contradicts"),
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-         "$.zero_optimization.offload_param.device", "offload_param (parameters in CPU RAM or on disk) is not in this "
-         "release; remove it, or set its device to none; offload_optimizer works at stage 3"),
+         "$.zero_optimization.offload_param.device", "puts the parameter shards in CPU RAM, but the optimizer is not "
+         "offloaded: its fp32 master weights and moments"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}, "offload_optimizer": {"device": "cpu"}}},
+         "$.zero_optimization.offload_param.nvme_path", 'device "nvme" needs nvme_path: the folder for the parameter '
+         "store"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "nvme_path": "/tmp/p"},
+                                "offload_optimizer": {"device": "cpu"}}},
+         "$.zero_optimization.offload_param.nvme_path", 'is only used with device "nvme" (device is "cpu")'),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 1},
+                                "offload_optimizer": {"device": "cpu"}}},
+         "$.zero_optimization.offload_param.buffer_count", "is 1, and parameter offload needs at least 2"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_size": -1}}},
+         "$.zero_optimization.offload_param.buffer_size", "must be >= 0"),
         ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}}, "$.zero_optimization.contiguous_gradients",
          "must be true: gradients are always copied"),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "$.fp16.enabled", "enable one"),
@@ -115,9 +126,38 @@ def test_contradictions_show_both_values(tmp_path):
     assert "is 4 but --per_device_train_batch_size is 8" in found["$.train_micro_batch_size_per_gpu"]
 
 
-@pytest.mark.parametrize("name", ["offload_cpu.json", "offload_disk.json", "zero2.json"])
+@pytest.mark.parametrize("name", ["offload_cpu.json", "offload_disk.json", "zero2.json", "zero3_offload_param.json"])
 def test_shipped_configs_are_valid(name):
     load_config(CONFIGS / name, world_size=2)
+
+
+def test_parameter_offload_takes_effect_at_stage_3_only(tmp_path):
+    """offload_param: shard_model's ParamOffloadSpec arguments at stage 3 ("auto": DeepSpeed's
+    defaults), one warning line at stages 0-2; validate-config shows it."""
+    from trainer_shard.cli import effective_settings
+
+    config = load_config(CONFIGS / "zero3_offload_param.json", world_size=2)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=8, d_ff=16, num_layers=1, d_kv=4,
+                                                                          num_heads=2, vocab_size=32))  # fmt: skip
+    param = zero3_kwargs(config, model)["param_offload"]
+    assert param == {"device": "nvme", "nvme_path": "offload_store", "buffer_count": 5, "buffer_size": 100_000_000,
+                     "max_in_cpu": 0, "pin_memory": False}  # fmt: skip
+    lines = effective_settings(config, 2)
+    assert "parameter offload: nvme at offload_store/zero3_params/rank<R>/ (parameter and gradient shards in files; " \
+           "the first units' shards, up to 0 elements a rank, in RAM: max_in_cpu), read ahead on a thread in the " \
+           "units' recorded order" in lines, lines
+    data = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                  "offload_param": {"device": "auto", "buffer_count": "auto", "pin_memory": "auto"}}}  # fmt: skip
+    assert zero3_kwargs(load_config(write(tmp_path, data)), model)["param_offload"] is None  # "auto": DeepSpeed's none
+    data["zero_optimization"]["offload_param"]["device"] = "cpu"
+    assert zero3_kwargs(load_config(write(tmp_path, data)), model)["param_offload"] == {
+        "device": "cpu", "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
+        "pin_memory": False}  # fmt: skip
+    assert "parameter offload: none (the parameter shards stay in this process's memory between uses)" in \
+        effective_settings(load_config(CONFIGS / "zero3.json"), 2)
+    data["zero_optimization"]["stage"] = 2
+    assert dict(load_config(write(tmp_path, data)).ignored) == {"$.zero_optimization.offload_param": (
+        "a ZeRO-3 (parameter sharding) setting: where the parameter shards live; not used in stage 2")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -255,14 +295,15 @@ def kwargs_of(tmp_path, zero, model=None):
     ],
 )  # fmt: skip
 def test_zero3_kwargs(tmp_path, zero, expected):
-    assert kwargs_of(tmp_path, zero) == expected
-    assert all(type(v) is int for v in kwargs_of(tmp_path, zero).values())
+    assert kwargs_of(tmp_path, zero) == {**expected, "param_offload": None}  # no offload_param: in memory
+    assert all(type(v) is int for k, v in kwargs_of(tmp_path, zero).items() if k != "param_offload")
 
 
 def test_zero3_kwargs_defaults_are_the_engines_and_deepspeeds():
     from trainer_shard.sharding import zero3
 
-    assert zero3_kwargs(None, None) == {"persistence_threshold": zero3.PERSISTENCE_THRESHOLD, "prefetch": 50_000_000}
+    assert zero3_kwargs(None, None) == {"persistence_threshold": zero3.PERSISTENCE_THRESHOLD, "prefetch": 50_000_000,
+                                        "param_offload": None}  # fmt: skip
     assert zero3.PERSISTENCE_THRESHOLD == 100_000
 
 
@@ -291,5 +332,5 @@ def test_zero3_settings_for_validate_config(tmp_path):
     assert zero3_settings(config) == [
         "prefetch: auto (0.9 x hidden size squared) elements ahead, at most 1,000,000,000 (stage3_max_live_parameters)",
         "persistence threshold: 10,000 elements (parameters of at most this many stay whole on every rank)",
-        "parameters: sharded between uses, in this process's memory (parameter offload is not in this release)",
+        "parameter offload: none (the parameter shards stay in this process's memory between uses)",
         "save_model: the whole model.safetensors, streamed a unit at a time"]  # fmt: skip

@@ -1,7 +1,7 @@
 """DeepSpeed configs as people have them (tests/data/deepspeed/, copied verbatim from DeepSpeed's,
 transformers' and accelerate's documentation and from fine-tuning projects; SOURCES.md says where)
-work as written: stages 0-3 accepted (stage 3 without parameter offload, which is refused with
-the way out), every ignored key named once."""
+work as written: stages 0-3 accepted, parameter offload (`offload_param`) included, every
+ignored key named once."""
 
 import json
 import re
@@ -17,8 +17,7 @@ from test_sharded_trainer import DUMP, train_flags
 from trainer_shard import ArgumentError, ShardedSeq2SeqTrainingArguments
 from trainer_shard.args import log_notes
 from trainer_shard.config import load_config, stage_notes, stage_problems
-from trainer_shard.config.apply import zero_stage
-from trainer_shard.config.schema import PARAM_OFFLOAD_REFUSAL
+from trainer_shard.config.apply import param_offload_kwargs, zero_stage
 from trainer_shard.errors import ConfigError
 
 DATA = ROOT / "tests" / "data" / "deepspeed"
@@ -68,8 +67,6 @@ def fixed(path: Path) -> dict:
     """The file with each fix its problems name applied."""
     data = json.loads(path.read_text())
     zero = data["zero_optimization"]
-    if "offload_param" in zero:
-        zero["offload_param"]["device"] = "none"
     if "aio" in zero:
         data["aio"] = zero.pop("aio")
     if "micro_batch_size_per_gpu" in data:
@@ -92,42 +89,72 @@ def test_stage_3_configs_without_parameter_offload_are_accepted_as_written(path)
 
 
 @pytest.mark.parametrize("path", [f for f in STAGE3 if offloads_parameters(f)], ids=lambda p: p.stem)
-def test_stage_3_configs_with_parameter_offload_are_told_the_way_out(path, tmp_path):
-    with pytest.raises(ConfigError) as e:
-        load_config(path, world_size=2)
-    found = dict(e.value.problems)
-    assert found.pop("$.zero_optimization.offload_param.device") == PARAM_OFFLOAD_REFUSAL
+def test_stage_3_configs_with_parameter_offload_run_as_written(path, tmp_path):
+    """offload_param takes effect as written (DeepSpeed's defaults for the keys left out); only
+    what else the file holds that is refused here is, and its fixes are enough."""
     expected = OTHER_PROBLEMS.get(path.stem, {})
-    assert set(found) == set(expected) and all(expected[k] in found[k] for k in found), found
-    # the fixes the problems name are enough
+    if expected:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, world_size=2)
+        found = dict(e.value.problems)
+        assert set(found) == set(expected) and all(expected[k] in found[k] for k in found), found
     config = load_config(write(tmp_path, fixed(path)), world_size=2)
     assert config.stage == 3 and config.offload_device in ("cpu", "nvme")  # offload_optimizer takes effect
-    param_keys = {f"$.zero_optimization.offload_param.{k}" for k in fixed(path)["zero_optimization"]["offload_param"]}
-    assert dict(config.given)["$.zero_optimization.offload_param.device"].endswith('"none" is what the engine does')
-    assert {p for p in dict(config.ignored) if ".offload_param." in p} == param_keys - {
-        "$.zero_optimization.offload_param.device"}
+    written = fixed(path)["zero_optimization"]["offload_param"]
+    defaults = {"nvme_path": None, "buffer_count": 5, "buffer_size": 10**8, "max_in_cpu": 10**9, "pin_memory": False}
+    assert param_offload_kwargs(config) == {**defaults, **written}
+    assert not [p for p in dict(config.ignored) | dict(config.given) if ".offload_param" in p]  # all take effect
 
 
-def test_parameter_offload_is_refused_whatever_else_is_wrong(tmp_path):
-    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": "yes"},
+def test_parameter_offload_rules_are_told_with_whatever_else_is_wrong(tmp_path):
+    data = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "pin_memory": "yes",
+                                                                "buffer_count": 1},
                                   "cpu_offload_param": True}, "train_batch_size": "many"}  # fmt: skip
     found = dict(problems(tmp_path, data))
-    assert found == {"$.zero_optimization.offload_param.device": PARAM_OFFLOAD_REFUSAL,
-                     "$.zero_optimization.offload_param.pin_memory": "must be true or false, got \"yes\"",
-                     "$.zero_optimization.cpu_offload_param": "is the old form of offload_param.device = cpu: "
-                                                              + PARAM_OFFLOAD_REFUSAL,
-                     "$.train_batch_size": "must be an integer, got \"many\""}  # fmt: skip
+    assert set(found) == {"$.zero_optimization.offload_param.pin_memory", "$.zero_optimization.cpu_offload_param",
+                          "$.zero_optimization.offload_param.nvme_path", "$.zero_optimization.offload_param.buffer_count",
+                          "$.zero_optimization.offload_param.device", "$.train_batch_size"}, found  # fmt: skip
+    assert found["$.zero_optimization.offload_param.pin_memory"] == "must be true or false, got \"yes\""
+    assert "and offload_param.device is \"nvme\"; keep one" in found["$.zero_optimization.cpu_offload_param"]
+    assert found["$.zero_optimization.offload_param.nvme_path"].startswith('device "nvme" needs nvme_path')
+    assert "at least 2 gather buffers" in found["$.zero_optimization.offload_param.buffer_count"]
+    assert "the optimizer is not offloaded" in found["$.zero_optimization.offload_param.device"]
 
 
-def test_parameter_offload_in_a_stage_0_file_run_at_stage_3_is_refused(tmp_path):
+def test_parameter_offload_in_a_stage_0_file_is_decided_at_the_run_stage(tmp_path):
     data = {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "x"}}}
     config = load_config(write(tmp_path, data))
     assert dict(config.ignored) == {"$.zero_optimization.offload_param": (
         "a ZeRO-3 (parameter sharding) setting: where the parameter shards live; not used in a run without sharding "
         "(stage 0, no offload)")}  # fmt: skip
-    assert stage_problems(config, 3, world_size=2) == [("$.zero_optimization.offload_param.device",
-                                                        PARAM_OFFLOAD_REFUSAL)]  # fmt: skip
+    (path, why), = stage_problems(config, 3, world_size=2)
+    assert path == "$.zero_optimization.offload_param.device" and "the optimizer is not offloaded" in why
+    assert stage_problems(config, 3, world_size=2, flag_offload=True) == []  # "zero_dp_3 offload": CPU RAM
     assert stage_problems(config, 2, world_size=2) == []
+    with_optimizer = load_config(write(tmp_path, {"zero_optimization": {**data["zero_optimization"],
+                                                                        "offload_optimizer": {"device": "cpu"}}}))  # fmt: skip
+    assert stage_problems(with_optimizer, 3, world_size=2) == []
+    assert param_offload_kwargs(with_optimizer)["device"] == "nvme"
+
+
+def test_the_old_form_cpu_offload_param_is_device_cpu(tmp_path):
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, "cpu_offload_param": True,
+                                                                "cpu_offload": True}}))  # fmt: skip
+    assert param_offload_kwargs(config)["device"] == "cpu" and config.offload_device == "cpu"
+    found = dict(problems(tmp_path, {"zero_optimization": {"stage": 3, "cpu_offload_param": True}}))
+    assert "the optimizer is not offloaded" in found["$.zero_optimization.cpu_offload_param"]
+
+
+def test_keys_the_device_leaves_unused_are_ignored_with_a_warning(tmp_path):
+    def ignored(param):
+        zero = {"stage": 3, "offload_param": param, "offload_optimizer": {"device": "cpu"}}
+        return dict(load_config(write(tmp_path, {"zero_optimization": zero})).ignored)
+
+    assert set(ignored({"device": "none", "pin_memory": True, "buffer_count": 4})) == {
+        "$.zero_optimization.offload_param.pin_memory", "$.zero_optimization.offload_param.buffer_count"}  # fmt: skip
+    assert ignored({"device": "cpu", "max_in_cpu": 10, "buffer_size": 10}) == {
+        "$.zero_optimization.offload_param.max_in_cpu": "device cpu keeps every parameter shard in CPU RAM"}
+    assert ignored({"device": "nvme", "nvme_path": "x", "max_in_cpu": 0, "pin_memory": True}) == {}
 
 
 def test_stage_3_keys_at_stage_2_are_ignored_with_a_warning(tmp_path):
@@ -170,9 +197,9 @@ IGNORED_AT_STAGE3 = {  # key: value -> a fragment of the reason in its warning l
 }
 GIVEN_AT_STAGE3 = {"stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True,
                    "stage3_use_all_reduce_for_fetch_params": False, "pipeline_loading_checkpoint": False,
-                   "stage3_model_persistence_threshold": 10**12, "cpu_offload_param": False}  # fmt: skip
+                   "stage3_model_persistence_threshold": 10**12}  # fmt: skip
 EFFECT_AT_STAGE3 = {"stage3_prefetch_bucket_size": 1, "stage3_param_persistence_threshold": 2,
-                    "stage3_max_live_parameters": 3}  # fmt: skip
+                    "stage3_max_live_parameters": 3, "cpu_offload_param": False}  # fmt: skip
 
 
 @pytest.mark.parametrize("key", sorted(IGNORED_AT_STAGE3))
@@ -364,10 +391,16 @@ def test_a_stage_3_file_runs_at_stage_3_and_names_each_ignored_key_once(tmp_path
                       "$.zero_optimization.reduce_bucket_size"]
 
 
-def test_parameter_offload_in_a_stage_0_file_run_with_zero_dp_3_is_refused(tmp_path):
+def test_parameter_offload_in_a_stage_0_file_run_with_zero_dp_3_needs_the_optimizer_offloaded(tmp_path):
     path = write(tmp_path, {"zero_optimization": {"offload_param": {"device": "cpu"}}})
-    with pytest.raises(ArgumentError, match=re.escape(f"$.zero_optimization.offload_param.device: {PARAM_OFFLOAD_REFUSAL}")):
+    with pytest.raises(ArgumentError, match=re.escape("$.zero_optimization.offload_param.device: puts the parameter "
+                                                      "shards in CPU RAM, but the optimizer is not offloaded")):  # fmt: skip
         args_for(tmp_path, offload=str(path), sharded_ddp="zero_dp_3")
+    args = args_for(tmp_path, offload=str(path), sharded_ddp="zero_dp_3 offload")  # the optimizer state in CPU RAM
+    assert param_offload_kwargs(args.offload_config)["device"] == "cpu"
+    with pytest.raises(ArgumentError, match="both ask for offload"):  # the flag's offload goes with offload_param only
+        args_for(tmp_path, offload=str(write(tmp_path, {"zero_optimization": {"stage": 3}})),
+                 sharded_ddp="zero_dp_3 offload")  # fmt: skip
 
 
 def test_validate_config_shows_the_stage_3_settings():

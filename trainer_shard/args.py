@@ -126,19 +126,21 @@ def _offload_problems(args, options) -> list:
         return [f"--offload: config file {str(config)!r} does not exist; pass the path of a JSON config"]
     if not config.is_file():
         return [f"--offload: {str(config)!r} is not a file; pass the path of a JSON config"]
-    if ShardedDDPOption.OFFLOAD in options:
-        return [
-            "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
-            "and drop 'offload' from --sharded_ddp"
-        ]
     from .config import load_config, stage_notes, stage_problems
     from .config.apply import zero_stage
     from .errors import ConfigError
 
+    flag_offload = ShardedDDPOption.OFFLOAD in options
     try:
-        loaded = load_config(config, training_args=args, world_size=world_size_from_env())
+        loaded = load_config(config, training_args=args, world_size=world_size_from_env(), flag_offload=flag_offload)
     except ConfigError as e:
         return [f"--offload {path}: {where}: {message}" for where, message in e.problems]
+    if flag_offload and not _offloads_parameters(loaded, options):
+        return [
+            "--offload CONFIG and --sharded_ddp 'offload' both ask for offload; keep --offload CONFIG "
+            "and drop 'offload' from --sharded_ddp ('zero_dp_3 offload' goes with a config only when the config's "
+            "offload_param says where the parameters go)"
+        ]
     auto = ShardedDDPOption.AUTO in options
     if "max_memory" in loaded.raw and not auto:
         return [f"--offload {path}: max_memory is the per-rank budget of --sharded_ddp auto and means nothing "
@@ -152,7 +154,7 @@ def _offload_problems(args, options) -> list:
         return [f"--offload {path}: zero_optimization.stage is {loaded.stage} but --sharded_ddp asks for stage {stage}; "
                 "make them agree"]  # fmt: skip
     problems = [f"--offload {path}: {where}: {message}"
-                for where, message in stage_problems(loaded, stage, world_size_from_env())]  # fmt: skip
+                for where, message in stage_problems(loaded, stage, world_size_from_env(), flag_offload)]  # fmt: skip
     if problems:
         return problems
     problems += _apply_config_to_args(args, loaded, zero_stage(loaded, stage), path)
@@ -162,6 +164,14 @@ def _offload_problems(args, options) -> list:
     if not problems:
         log_notes(loaded, path)
     return problems
+
+
+def _offloads_parameters(config, options) -> bool:
+    """`--sharded_ddp "zero_dp_3 offload"` with a config whose `offload_param` names a device: the
+    documented form of parameter offload (the config says where the parameters go, and where the
+    optimizer state goes: CPU RAM, the flag's offload, when it names no offload_optimizer)."""
+    settings = config.param_offload or {}
+    return stage_from_options(options) == 3 and settings.get("device", "none") != "none"
 
 
 def log_notes(config, path) -> None:
@@ -218,6 +228,16 @@ def _apply_config_to_args(args, config, stage, path) -> list:
             check_disk_store(config.nvme_path, 0, 0)  # room is checked once the model's size is known
         except OffloadStoreError as e:
             problems.append(f"--offload {path}: {e}")
+    params = config.param_offload or {}
+    if stage == 3 and params.get("device") == "nvme":
+        from .offload.param_store import PARAM_FOLDER
+        from .offload.store import OffloadStoreError, check_disk_store
+
+        try:  # the parameter store's folder (room and other runs: training/plan.py, once the model is known)
+            check_disk_store(Path(params["nvme_path"]) / PARAM_FOLDER, 0, 0)
+        except OffloadStoreError as e:
+            message = str(e).replace("offload_optimizer.nvme_path", "offload_param.nvme_path")
+            problems.append(f"--offload {path}: offload_param: {message}")
     folder = (config.inference or {}).get("offload_folder")
     if folder:
         from .offload.store import OffloadStoreError, check_disk_store

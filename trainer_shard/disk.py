@@ -4,6 +4,7 @@ failed write means. Checkpoints (`checkpoint.check_writable`) and the offload st
 
     base = existing_parent("out/checkpoint-500")   # the folder the new one would be made in
     is_writable(base), free_bytes(base)             # a read-only mount or no permission; room
+    same_disk("store/params", "store/optim")        # whether two folders (made or not) share their room
     format_bytes(3 * 2**30)                         # '3.00 GiB'
 """
 
@@ -23,6 +24,11 @@ def existing_parent(path) -> Path:
 def free_bytes(path) -> int:
     """Bytes free on the disk `path` (made or not yet) is on."""
     return shutil.disk_usage(existing_parent(path)).free
+
+
+def same_disk(a, b) -> bool:
+    """Whether folders `a` and `b` (made or not yet) are on one filesystem, so share its free room."""
+    return os.stat(existing_parent(a)).st_dev == os.stat(existing_parent(b)).st_dev
 
 
 def is_read_only(path) -> bool:

@@ -30,6 +30,12 @@ or disk, and the config's sections take effect (`config.apply`): its ZeRO stage 
 `--sharded_ddp` names none, bucket sizes, `overlap_comm`, the optimizer (replacing `--optim`),
 the WarmupLR/WarmupDecayLR schedule (replacing `--lr_scheduler_type`) and the fp16 loss scaler.
 On one process, offload runs the ZeRO-2 path on a world of one.
+
+At stage 3 the config's `offload_param` (device cpu or nvme) puts the parameter shards, and on
+disk their gradient shards too, in a store of their own (`offload.param_store`), read ahead a
+unit at a time; the optimizer must be offloaded as well (`offload_optimizer`, or the `offload` of
+`--sharded_ddp "zero_dp_3 offload"`: CPU RAM). Room on disk for both stores, and their folders
+free of other runs, are checked when the Trainer is built, before anything is written.
 """
 
 import functools
@@ -64,6 +70,7 @@ class ShardedTrainerMixin:
     override below hands its work to one module of `training/`."""
 
     sharded_model = None  # ZeRO-3: the zero3.ShardedModel, once the optimizer is built
+    param_offload_spec = None  # ZeRO-3: where the parameter shards live (offload_param), or None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -167,8 +174,13 @@ class ShardedTrainerMixin:
                 problems = set_ddp_bucket(self.args, sizes["reduce_bucket_size"], self.args.offload)
                 if problems:
                     raise ArgumentError(problems)
-        plan.check_disk_room(self.offload_spec, model, self._state_tensors(),
-                             self.args.process_index, world_size_from_env())  # fmt: skip
+        # ZeRO-3's parameter store (offload_param, from the config): checked with the optimizer's
+        self.param_offload_spec = plan.param_offload_spec(self.offload_config) if self._sharding_stage == 3 else None
+        world_size = world_size_from_env()
+        params = self.param_offload_spec
+        param_bytes = plan.param_store_bytes(params, model, world_size, self.args, self.offload_config)
+        plan.check_disk_room(self.offload_spec, model, self._state_tensors(), self.args.process_index, world_size,
+                             params, param_bytes)  # fmt: skip
 
     def _state_tensors(self):
         """Per-element state tensors of the optimizer the Trainer will build (None: a factory)."""

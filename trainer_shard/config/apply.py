@@ -7,7 +7,8 @@
     scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr, args)  # `scheduler`, or None
     scaler = DynamicLossScaler(**loss_scaler_kwargs(config))  # `fp16` loss-scale settings
     sizes = hidden_size_fills(config, model)             # "auto" sizes from the model's hidden size
-    kwargs = zero3_kwargs(config, model)                 # stage 3: shard_model's persistence_threshold, prefetch
+    kwargs = zero3_kwargs(config, model)                 # stage 3: shard_model's persistence_threshold, prefetch,
+                                                         # param_offload (ParamOffloadSpec's arguments, or None)
 
 The TrainingArguments side (precision flags, DDP bucket size) is applied when the arguments
 are checked (`args._offload_problems`); everything else is read here for `training/`.
@@ -20,7 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from ..constants import BUCKET_NUMEL
 from ..errors import ConfigError
-from .schema import AUTO, STAGE3_ALIASES, STAGE3_MAX_LIVE, STAGE3_PERSISTENCE, STAGE3_PREFETCH
+from .schema import AUTO, PARAM_STORE, STAGE3_ALIASES, STAGE3_MAX_LIVE, STAGE3_PERSISTENCE, STAGE3_PREFETCH
 
 
 def zero_stage(config, stage_from_flags):
@@ -180,7 +181,10 @@ def loss_scaler_kwargs(config) -> dict:
 
 def zero3_kwargs(config, model) -> dict:
     """`sharding.zero3.shard_model`'s keyword arguments that the ZeRO-3 keys describe:
-    {"persistence_threshold": int, "prefetch": int}, DeepSpeed's defaults without a config.
+    {"persistence_threshold": int, "prefetch": int, "param_offload": dict | None}, DeepSpeed's
+    defaults without a config. `param_offload` is `param_offload_kwargs(config)`: plain data, the
+    arguments of `offload.param_store.ParamOffloadSpec` (config/ imports nothing from offload/;
+    training/build.py builds the spec).
 
     - persistence_threshold: `stage3_param_persistence_threshold` (parameters of at most this many
       elements stay whole, DeepSpeed's rule); default 100,000; "auto": 10 x hidden size.
@@ -201,7 +205,23 @@ def zero3_kwargs(config, model) -> dict:
     cap = _stage3_value(zero, "stage3_model_persistence_threshold", None, fills)
     if cap is not None:
         _check_model_persistence(model, zero, persistence, cap)
-    return {"persistence_threshold": persistence, "prefetch": min(prefetch, max_live)}
+    return {"persistence_threshold": persistence, "prefetch": min(prefetch, max_live),
+            "param_offload": param_offload_kwargs(config)}
+
+
+def param_offload_kwargs(config) -> dict | None:
+    """The arguments of `offload.param_store.ParamOffloadSpec` that `offload_param` (or
+    `cpu_offload_param: true`) describes at stage 3: {device, nvme_path, buffer_count, buffer_size,
+    max_in_cpu, pin_memory}, "auto" as DeepSpeed's defaults; None with device none or no config.
+    The rules across keys (nvme_path, buffer_count >= 2, the optimizer offloaded too) were checked
+    when the config loaded (load.py `param_offload_problems`)."""
+    settings = getattr(config, "param_offload", None) if config is not None else None
+    if not settings or settings["device"] == "none":
+        return None
+    out = dict(settings)
+    if out["device"] != "nvme":
+        out["nvme_path"] = None
+    return out
 
 
 def _stage3_value(zero: dict, name: str, default, fills: dict):
@@ -245,5 +265,20 @@ def zero3_settings(config) -> list:
             f"{shown('stage3_max_live_parameters', STAGE3_MAX_LIVE)} (stage3_max_live_parameters)",
             f"persistence threshold: {shown('stage3_param_persistence_threshold', STAGE3_PERSISTENCE)} elements "
             "(parameters of at most this many stay whole on every rank)",
-            "parameters: sharded between uses, in this process's memory (parameter offload is not in this release)",
+            *param_offload_settings(config),
             "save_model: the whole model.safetensors, streamed a unit at a time"]  # fmt: skip
+
+
+def param_offload_settings(config) -> list:
+    """What `offload_param` sets at stage 3, a line each, for `trainer-shard validate-config`."""
+    spec = param_offload_kwargs(config)
+    if spec is None:
+        return ["parameter offload: none (the parameter shards stay in this process's memory between uses)"]
+    where = ("cpu (each unit's parameter shard in CPU RAM)" if spec["device"] == "cpu" else
+             f"nvme at {spec['nvme_path']}/{PARAM_STORE.split('/', 1)[1]} (parameter and gradient shards in files; "
+             f"the first units' shards, up to {spec['max_in_cpu']:,} elements a rank, in RAM: max_in_cpu), read ahead "
+             "on a thread in the units' recorded order")  # fmt: skip
+    return [f"parameter offload: {where}",
+            f"parameter buffers: at most {spec['buffer_count']} units' gather buffers alive (buffer_count), a unit of "
+            f"at most {spec['buffer_size']:,} elements (buffer_size); pin_memory {str(spec['pin_memory']).lower()} "
+            "(page-locked with CUDA only)"]  # fmt: skip

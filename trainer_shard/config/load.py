@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ConfigError
-from .schema import AUTO, STAGE3_ALIASES, TOP, Key
+from .schema import AUTO, OFFLOAD_PARAM, PARAM_STORE, STAGE3_ALIASES, TOP, Key
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ class OffloadConfig:
     given: tuple = ()
     # ZeRO-3 keys present, ((json path, what they mean), ...): decided at the run's stage (stage_notes)
     stage3_keys: tuple = ()
+    # `offload_param` resolved ("auto": DeepSpeed's defaults; `cpu_offload_param: true` is device
+    # cpu): {device, nvme_path, buffer_count, buffer_size, max_in_cpu, pin_memory}; it takes effect
+    # at stage 3 only (config/apply.py `param_offload_kwargs`)
+    param_offload: dict | None = None
 
     def with_notes(self, notes: list) -> "OffloadConfig":
         """This config with more (role, path, why) notes, each path once: a path noted "ignored"
@@ -80,8 +84,10 @@ class OffloadConfig:
         return replace(self, ignored=ignored, given=given, stage3_keys=merged("stage3", self.stage3_keys))
 
 
-def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
-    """Load `path`; raise ConfigError listing every problem. See the module docstring."""
+def load_config(path, training_args=None, world_size: int = 1, flag_offload: bool = False) -> OffloadConfig:
+    """Load `path`; raise ConfigError listing every problem. See the module docstring.
+    `flag_offload`: the run's --sharded_ddp has `offload` (the optimizer state goes to CPU RAM
+    when the config offloads none of it)."""
     source = str(path)
     data = _read_json(Path(path), source)
     problems, notes = [], []
@@ -95,6 +101,8 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
     if tree["zero_optimization"]["stage"] == 3:  # the file's own stage: refused stage-3 keys are told at once
         stage3 = [path for role, path, _ in notes if role == "stage3"]
         combination += _stage3_refusals(_stage3_present(stage3, data))
+        combination += param_offload_problems(_param_settings(tree), _optimizer_device(tree),
+                                              data.get("zero_optimization"), flag_offload)  # fmt: skip
     if isinstance(data, dict) and "inference" in data:
         _inference_rules(tree["inference"], world_size, combination)
     # a rule over a key that is already wrong would only repeat it (its default stood in)
@@ -109,7 +117,7 @@ def load_config(path, training_args=None, world_size: int = 1) -> OffloadConfig:
     notes += _fp16_notes(tree, data)
     config = _build(tree, data).with_notes(notes)
     if training_args is None:  # alone: its own stage; with the arguments, args.py checks the run's stage
-        problems = stage_problems(config, None, world_size)
+        problems = stage_problems(config, None, world_size, flag_offload)
         if problems:
             raise ConfigError(source, problems)
         config = config.with_notes(stage_notes(config, None, world_size))
@@ -576,15 +584,76 @@ def run_stage(config: "OffloadConfig", stage, world_size: int = 1):
     return stage
 
 
-def stage_problems(config: "OffloadConfig", stage, world_size: int = 1) -> list:
-    """What the run's ZeRO stage cannot do with this config. `stage` as for `run_stage`."""
+def stage_problems(config: "OffloadConfig", stage, world_size: int = 1, flag_offload: bool = False) -> list:
+    """What the run's ZeRO stage cannot do with this config. `stage` as for `run_stage`;
+    `flag_offload` as for `load_config`."""
     stage = run_stage(config, stage, world_size)
     if stage is None and config.offload_device != "none":
         return [("$.zero_optimization.stage", f"offload with {world_size} ranks needs stage 1, 2 or 3 (or "
                  "--sharded_ddp simple|zero_dp_2|zero_dp_3), so that each rank offloads its own shard")]  # fmt: skip
     if stage != 3:
         return []
-    return _stage3_refusals(_stage3_present([path for path, _ in config.stage3_keys], config.raw))
+    zero = config.raw.get("zero_optimization") if isinstance(config.raw, dict) else None
+    params = getattr(config, "param_offload", None)
+    return (_stage3_refusals(_stage3_present([path for path, _ in config.stage3_keys], config.raw))
+            + param_offload_problems(params, config.offload_device, zero, flag_offload))  # fmt: skip
+
+
+_PARAM = "$.zero_optimization.offload_param"
+
+
+def _param_settings(tree: dict) -> dict:
+    """`offload_param` as checked ("auto" and bad values: DeepSpeed's defaults), with
+    `cpu_offload_param: true` read as device cpu where offload_param names no device."""
+    zero = tree["zero_optimization"]
+    out = {key: OFFLOAD_PARAM[key].default if value == AUTO else value for key, value in zero["offload_param"].items()}
+    if zero["cpu_offload_param"] is True and out["device"] == "none":
+        out["device"] = "cpu"
+    return out
+
+
+def _optimizer_device(tree: dict) -> str:
+    """offload_optimizer's device, `cpu_offload: true` read as cpu."""
+    zero = tree["zero_optimization"]
+    offload = zero["offload_optimizer"]
+    return "cpu" if zero["cpu_offload"] is True and offload["device"] == "none" else offload["device"]
+
+
+def param_offload_problems(settings: dict | None, optimizer_device: str, zero, flag_offload: bool = False) -> list:
+    """The rules across `offload_param`'s keys, and with the optimizer's offload, at stage 3:
+    (path, message) each. `settings` as `_param_settings` resolves them; `zero` the file's
+    zero_optimization object as written (which keys it names)."""
+    if not settings:
+        return []
+    zero = zero if isinstance(zero, dict) else {}
+    section = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
+    device, problems = settings["device"], []
+    old_form = zero.get("cpu_offload_param") is True and section.get("device", "none") in ("none", AUTO)
+    if zero.get("cpu_offload_param") is True and section.get("device") == "nvme":
+        problems.append(("$.zero_optimization.cpu_offload_param", 'is the old form of offload_param.device = cpu, and '
+                         'offload_param.device is "nvme"; keep one (DeepSpeed refuses the two together too)'))  # fmt: skip
+    if device == "nvme" and not settings["nvme_path"]:
+        problems.append((f"{_PARAM}.nvme_path", 'device "nvme" needs nvme_path: the folder for the parameter store '
+                         f"(its files go under {PARAM_STORE}; the optimizer's nvme_path will do); add it, or use "
+                         'device "cpu"'))  # fmt: skip
+    if section.get("nvme_path") not in (None, AUTO) and device != "nvme":
+        problems.append((f"{_PARAM}.nvme_path", f'is only used with device "nvme" (device is "{device}"); remove it, '
+                         'or set offload_param.device to "nvme"'))  # fmt: skip
+    if device == "none":
+        return problems
+    if settings["buffer_count"] < 2:
+        problems.append((f"{_PARAM}.buffer_count", f"is {settings['buffer_count']}, and parameter offload needs at "
+                         "least 2 gather buffers alive at once (the running unit's and the model's root unit's, "
+                         "whose parameters are used around the others); write 2 or more (DeepSpeed's default: 5)"))  # fmt: skip
+    if optimizer_device == "none" and not flag_offload:
+        where = "$.zero_optimization.cpu_offload_param" if old_form else f"{_PARAM}.device"
+        problems.append((where, f'puts the parameter shards in {"CPU RAM" if device == "cpu" else "files"}, but the '
+                         "optimizer is not offloaded: its fp32 master weights and moments (12 bytes a parameter with "
+                         "Adam, 3 to 6 times the parameters' own) and its gradient shard would stay in this process's "
+                         "memory, which is what parameter offload frees, and the engine cannot step them there; set "
+                         'zero_optimization.offload_optimizer.device to "cpu" or "nvme" (with its nvme_path), or add '
+                         'offload to --sharded_ddp ("zero_dp_3 offload": the optimizer state in CPU RAM)'))  # fmt: skip
+    return problems
 
 
 def _stage3_refusals(present) -> list:
@@ -629,6 +698,7 @@ def _stage3_notes(config: "OffloadConfig") -> list:
         elif key.at_stage3 in ("ignored", "given"):
             notes.append((key.at_stage3, path, key.stage3_why))
     zero = config.raw.get("zero_optimization", {}) if isinstance(config.raw, dict) else {}
+    notes += _param_offload_notes(getattr(config, "param_offload", None), zero)
     notes += [("ignored", f"$.zero_optimization.{key}", why) for key, why in _NOT_AT_STAGE3.items() if key in zero]
     if zero.get("overlap_comm") is False:
         notes.append(("ignored", "$.zero_optimization.overlap_comm", "false applies to stage 2; at stage 3 each unit's "
@@ -637,6 +707,19 @@ def _stage3_notes(config: "OffloadConfig") -> list:
         notes.append(("ignored", "$.disable_allgather", "a stage 1-2 setting: at stage 3 nothing is all-gathered after "
                       "the step"))  # fmt: skip
     return notes
+
+
+def _param_offload_notes(settings: dict | None, zero: dict) -> list:
+    """The `offload_param` keys its device leaves unused at stage 3, ignored with a warning: all of
+    them with device none, max_in_cpu with device cpu (nvme_path is a problem: param_offload_problems)."""
+    section = zero.get("offload_param") if isinstance(zero.get("offload_param"), dict) else {}
+    device = (settings or {}).get("device", "none")
+    if device == "none":
+        why = "offload_param.device is none: the parameter shards stay in this process's memory"
+        return [("ignored", f"{_PARAM}.{key}", why) for key in section if key not in ("device", "nvme_path")]
+    if device == "cpu" and "max_in_cpu" in section:
+        return [("ignored", f"{_PARAM}.max_in_cpu", "device cpu keeps every parameter shard in CPU RAM")]
+    return []
 
 
 def stage_notes(config: "OffloadConfig", stage, world_size: int = 1, precision: str | None = None) -> list:
@@ -742,7 +825,7 @@ def _unset_flag(flag: str, theirs) -> bool:
 
 def _build(tree: dict, raw: dict) -> OffloadConfig:
     zero, offload, fp16 = tree["zero_optimization"], tree["zero_optimization"]["offload_optimizer"], tree["fp16"]
-    device = "cpu" if zero["cpu_offload"] and offload["device"] == "none" else offload["device"]
+    device = _optimizer_device(tree)
     precision = "fp16" if fp16["enabled"] is True else "bf16" if tree["bf16"]["enabled"] is True else "fp32"
     if precision == "fp32" and AUTO in (fp16["enabled"], tree["bf16"]["enabled"]):
         precision = AUTO  # from --fp16/--bf16 at start
@@ -769,4 +852,5 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         inference=dict(tree["inference"]) if isinstance(raw, dict) and "inference" in raw else None,
         max_memory=tree["max_memory"], hysteresis=fp16["hysteresis"],
         consecutive_hysteresis=fp16["consecutive_hysteresis"], communication_data_type=tree["communication_data_type"],
+        param_offload=_param_settings(tree),
     )  # fmt: skip

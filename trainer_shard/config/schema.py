@@ -98,22 +98,34 @@ OFFLOAD_OPTIMIZER = {
 
 _STAGE3 = "a ZeRO-3 (parameter sharding) setting"
 
-PARAM_OFFLOAD_REFUSAL = ("offload_param (parameters in CPU RAM or on disk) is not in this release; remove it, or set "
-                         "its device to none; offload_optimizer works at stage 3")  # fmt: skip
-_PARAM_STORE_UNUSED = ("not used: the parameters stay in this process's memory (device none; parameter offload is "
-                       "not in this release)")  # fmt: skip
+PARAM_STORE = "<nvme_path>/zero3_params/rank<R>/"  # offload.param_store.PARAM_FOLDER, per rank
 
+# DeepSpeed's DeepSpeedZeroOffloadParamConfig: its defaults, "auto" read as them (DeepSpeed drops it)
 OFFLOAD_PARAM = {
-    "device": stage3("choice", "where the parameter shards live between uses", "refused", PARAM_OFFLOAD_REFUSAL,
-                     ("none",), default="none", choices=("none", "cpu", "nvme")),
-    "nvme_path": stage3("str", "folder for the parameter store (device nvme)", "ignored", _PARAM_STORE_UNUSED),
-    "buffer_count": stage3("int", "parameter buffers in flight (device nvme)", "ignored", _PARAM_STORE_UNUSED,
-                           default=5, minimum=0),
-    "buffer_size": stage3("int", "elements a parameter buffer holds (device nvme)", "ignored", _PARAM_STORE_UNUSED,
-                          default=100_000_000, minimum=0),
-    "max_in_cpu": stage3("int", "parameter elements kept in CPU RAM (device nvme)", "ignored", _PARAM_STORE_UNUSED,
+    "device": stage3("choice", "where the parameter shards live between uses", "effect",
+                     "none: in this process's memory; cpu: each unit's parameter shard in CPU RAM; nvme: each unit's "
+                     f"parameter and gradient shards in files under {PARAM_STORE}, read ahead on a thread in the "
+                     "recorded order of the units. cpu and nvme need the optimizer offloaded too "
+                     "(offload_optimizer.device cpu or nvme, or --sharded_ddp \"zero_dp_3 offload\": CPU RAM)",
+                     default="none", choices=("none", "cpu", "nvme")),
+    "nvme_path": stage3("str", "folder for the parameter store (device nvme)", "effect",
+                        f"the files are under {PARAM_STORE}, so it may be the optimizer's nvme_path; locked for the run, "
+                        "checked for room (with the optimizer store's bytes when on the same disk) before anything is "
+                        "written, deleted at the end; required with device nvme, refused with another device"),
+    "buffer_count": stage3("int", "parameter buffers in flight (device nvme)", "effect",
+                           "units whose gather buffers may be alive at once, the running one and those read ahead "
+                           "(devices cpu and nvme); at least 2", default=5, minimum=0),
+    "buffer_size": stage3("int", "elements a parameter buffer holds (device nvme)", "effect",
+                          "the most elements one unit may hold (devices cpu and nvme): a bigger unit is refused when "
+                          "the model is sharded, naming it; raise it or wrap smaller units", default=100_000_000,
+                          minimum=0),
+    "max_in_cpu": stage3("int", "parameter elements kept in CPU RAM (device nvme)", "effect",
+                         "device nvme: the first units' shards, up to this many elements a rank, stay in RAM (set 0 to "
+                         "put every shard on disk); ignored with device cpu, where every shard is in RAM",
                          default=1_000_000_000, minimum=0),
-    "pin_memory": stage3("bool", "page-locked parameter buffers", "ignored", _PARAM_STORE_UNUSED, default=True),
+    "pin_memory": stage3("bool", "page-locked parameter buffers", "effect",
+                         "the parameter shards kept in RAM are page-locked when CUDA is present (asynchronous copies "
+                         "to the device); nothing without a GPU", default=False),
 }
 
 STAGE3_PREFETCH = 50_000_000  # DeepSpeed's default stage3_prefetch_bucket_size
@@ -234,9 +246,9 @@ ZERO_OPTIMIZATION = {
                              default=1_000_000_000, minimum=0),
     "offload_param": stage3("object", "where the parameter shards live", "effect", "decided key by key",
                             children=OFFLOAD_PARAM),
-    "cpu_offload_param": stage3("bool", "old form of offload_param.device = cpu", "refused",
-                                f"is the old form of offload_param.device = cpu: {PARAM_OFFLOAD_REFUSAL}", (False,),
-                                default=False),
+    "cpu_offload_param": stage3("bool", "old form of offload_param.device = cpu", "effect",
+                                "true: offload_param.device cpu (refused with another device there); false: as "
+                                "offload_param says", default=False),
     "cpu_offload_use_pin_memory": stage3("bool", "old form of the pin_memory of offload_param and offload_optimizer",
                                          "ignored", "deprecated in DeepSpeed, where it sets nothing any more; "
                                          "pin_memory belongs in offload_optimizer"),

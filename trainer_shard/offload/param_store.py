@@ -13,7 +13,8 @@ live between uses. `zero3.shard_model(..., param_offload=ParamOffloadSpec(...))`
   RAM instead, as DeepSpeed keeps them. Reads run on one background thread: the sharded model
   starts them in the recorded order of its units (forward, then backward's reverse), into the
   gather buffer the unit will use, so at most `buffer_count` units' buffers are alive at once;
-  gradient shards are written on another thread, two at most in flight.
+  gradient shards are written on another thread, one at a time (the next waits: a unit's
+  gradient of t5-11b is 0.5 GB).
 
 [Note: parameter store names] "<i>.param" and "<i>.grad" for the i-th flat buffer of the model
 (units in order, one per param-group key and dtype), in the parameters' dtype and the gradient
@@ -104,9 +105,9 @@ class ParamStore:
         """A future of `read` on the reader thread (disk only)."""
         return self._reader.submit(self.read, name, start, out)
 
-    def write_async(self, name: str, start: int, data: torch.Tensor, in_flight: int = 2):
+    def write_async(self, name: str, start: int, data: torch.Tensor, in_flight: int = 1):
         """A future of `write` on the writer thread (disk only); `data` must not change until it is
-        done. At most `in_flight` writes wait at once: a third first waits for the oldest."""
+        done. At most `in_flight` writes wait at once: one more first waits for the oldest."""
         while len(self._writes) >= in_flight:
             self._writes.popleft().result()
         future = self._writer.submit(self.write, name, start, data)

@@ -59,7 +59,7 @@ or a file (device "nvme"; `shard` is None). A shard on disk is read into this ra
 the gather buffer (`load`, on the store's reader thread), started for the units after the
 running one in the recorded order while at most `buffer_count` units have buffers alive, and
 all-gathered in place. Its gradient shard is on disk too: each reduced slice is written as
-backward produces it (on the store's writer thread; summed with what is there when
+backward produces it (on the store's writer thread, one in flight; summed with what is there when
 micro-batches accumulate), its squared norm kept (`grad_sq`), so clipping needs no pass over the files. The optimizer must be
 offloaded as well: its engine reads the gradient chunk by chunk and writes the updated
 parameters back to the store (`write_shard`).

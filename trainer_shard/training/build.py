@@ -17,6 +17,7 @@ from ..constants import BUCKET_NUMEL
 from ..errors import ArgumentError
 from ..sharding import DynamicLossScaler, ShardedOptimizer, shard_model
 from ..sharding.zero3 import PERSISTENCE_THRESHOLD
+from .plan import param_offload_spec
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     by weight decay or not (the Trainer's `decay_names`), so each param group steps its own.
     Units: `--sharded_ddp "zero_dp_3 auto_wrap"` (or `auto` choosing stage 3, or a config at stage
     3, as DeepSpeed gathers module by module) one per layer, else the whole model; the config's stage-3 keys set the
-    persistence threshold and prefetch (config/apply.py `zero3_kwargs`)."""
+    persistence threshold, prefetch and parameter offload (config/apply.py `zero3_kwargs`; the config is the only
+    source of `offload_param`, and its checks at load made sure the optimizer is offloaded too)."""
     from ..args import ShardedDDPOption
 
     options = getattr(args, "sharded_ddp", None) or []
@@ -76,11 +78,15 @@ def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     # unit per layer), or from a config alone
     auto_wrap = (ShardedDDPOption.AUTO_WRAP in options or ShardedDDPOption.AUTO in options
                  or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options))  # fmt: skip
-    units, how = unit_modules(model, auto_wrap)
+    params = param_offload_spec(config)
+    # parameters offloaded: one unit per layer always (the whole model as one unit would be
+    # read from the store whole, every forward and backward)
+    units, how = unit_modules(model, auto_wrap or params is not None)
     if config is not None:  # DeepSpeed's keys and defaults (prefetch: 5e7 elements ahead)
         kwargs = config_apply.zero3_kwargs(config, model)
     else:  # the flags alone: prefetch one unit ahead (bench/results/zero3.md measures this)
         kwargs = {"persistence_threshold": PERSISTENCE_THRESHOLD, "prefetch": True}
+    kwargs["param_offload"] = params
     reduce = config.communication_data_type if config is not None else None
     decay = set(decay_names)
     sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,

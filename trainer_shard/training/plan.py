@@ -3,15 +3,19 @@
     stage, spec = plan(args, config)                  # --sharded_ddp and the --offload config
     stage, spec = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
     states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
-    check_disk_room(spec, model, states, rank, world_size)        # the disk store's shard fits
+    params = param_offload_spec(config)               # stage 3: offload_param's ParamOffloadSpec, or None
+    needed = param_store_bytes(params, model, world_size, args, config)  # its disk files, this rank
+    check_disk_room(spec, model, states, rank, world_size, params, needed)  # both disk stores fit, free
     checkpoint_bytes(model, sharded, states)          # about what one checkpoint writes
 
 stage: 1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process), or
-None without sharding; spec: the `OffloadSpec` of the optimizer's store, or None.
+None without sharding; spec: the `OffloadSpec` of the optimizer's store, or None; params: the
+`ParamOffloadSpec` of ZeRO-3's parameter store (`offload_param`, from the config only), or None.
 """
 
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -19,10 +23,12 @@ from .. import comm, dtypes
 from ..args import ShardedDDPOption, stage_from_options
 from ..checkpoint import unique_state_dict
 from ..config import apply as config_apply
+from ..disk import free_bytes, same_disk
 from ..errors import ArgumentError, TrainerShardError
 from ..offload import OffloadSpec
 from ..offload.engine import per_element_state
-from ..offload.store import check_disk_store
+from ..offload.param_store import ParamOffloadSpec
+from ..offload.store import OffloadStoreError, check_disk_store
 
 ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for size estimates
 
@@ -104,14 +110,75 @@ def trainable_numel(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def check_disk_room(spec, model, states, rank: int, world_size: int) -> None:
-    """Before training: room on disk for this rank's shard (master + the optimizer's per-element
-    state, fp32); the store checks the exact, padded size again when it opens. Nothing to check
-    for an optimizer factory (`states` None): the store checks once it is built."""
-    if spec is None or spec.device != "nvme" or states is None:
+def param_offload_spec(config) -> ParamOffloadSpec | None:
+    """The `offload_param` of a config run at stage 3 (config/apply.py `param_offload_kwargs`), or
+    None. The config is its only source: the flags say nothing of where parameters go."""
+    kwargs = config_apply.param_offload_kwargs(config)
+    return ParamOffloadSpec(**kwargs) if kwargs is not None else None
+
+
+def param_store_bytes(params, model, world_size: int, args, config) -> int:
+    """About the bytes this rank's parameter store puts on disk (`offload_param` nvme): its shard
+    of the sharded parameters, in the training dtype, and of their gradients (in
+    `data_types.grad_accum_dtype`, else the parameters' dtype), less the `max_in_cpu` elements kept
+    in RAM. Trainable parameters above the persistence threshold are sharded; smaller and frozen ones
+    stay whole in memory. The store checks the exact, padded size again when it opens."""
+    if params is None or params.device != "nvme":
+        return 0
+    threshold = config_apply.zero3_kwargs(config, model)["persistence_threshold"]
+    sharded = sum(p.numel() for p in model.parameters() if p.requires_grad and p.numel() > threshold)
+    on_disk = max(0, -(-sharded // max(1, world_size)) - params.max_in_cpu)
+    param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
+    grad_dtype = dtypes.DTYPES.get(getattr(config, "grad_accum_dtype", None)) or param_dtype
+    return on_disk * (param_dtype.itemsize + grad_dtype.itemsize)
+
+
+def check_disk_room(spec, model, states, rank: int, world_size: int, params=None, param_bytes: int = 0) -> None:
+    """Before training, before anything is written: room on disk for this rank's optimizer shard
+    (master + the optimizer's per-element state, fp32) and, with `params` (a ParamOffloadSpec on
+    nvme), for its parameter store's `param_bytes` (`param_store_bytes`), the two counted together
+    when they share a disk; and neither store's folder in use by another run. The stores check
+    their exact, padded sizes again when they open. An optimizer factory (`states` None): its store
+    checks once it is built."""
+    optimizer = None
+    if spec is not None and spec.device == "nvme" and states is not None:
+        needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size))
+        check_disk_store(spec.nvme_path, rank, needed, in_use=True)
+        optimizer = (Path(spec.nvme_path) / f"rank{rank}", needed)
+    if params is not None and params.device == "nvme":
+        _check_param_room(params.folder, rank, param_bytes, optimizer)
+
+
+def _check_param_room(store: Path, rank: int, needed: int, optimizer) -> None:
+    """The parameter store's folder (`store`/rank<R>) writable and not in use, with room for `needed`
+    bytes, and for the optimizer store's `(folder, bytes)` too when it is on the same disk."""
+    folder = store / f"rank{rank}"
+    try:
+        check_disk_store(store, rank, 0, in_use=True)
+    except OffloadStoreError as e:  # its words name the optimizer's store: say which store it is
+        raise OffloadStoreError(_as_param_store(str(e))) from None
+    shared = optimizer is not None and same_disk(folder, optimizer[0])
+    total, free = needed + (optimizer[1] if shared else 0), free_bytes(folder)
+    if free >= total:
         return
-    needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size))
-    check_disk_store(spec.nvme_path, rank, needed, in_use=True)
+    what = f"rank {rank}'s parameter and gradient shards need {needed:,} bytes in {str(folder)!r}"
+    if shared:
+        what += (f" and its optimizer state (fp32 master weights and moments) {optimizer[1]:,} bytes in "
+                 f"{str(optimizer[0])!r}, on the same disk: {total:,} bytes in all")  # fmt: skip
+    raise OffloadStoreError(
+        f"not enough disk for parameters, gradients and optimizer state: {what}, but only {free:,} are free; free "
+        "some space, or point zero_optimization.offload_param.nvme_path (and offload_optimizer.nvme_path) to a larger "
+        "disk, or keep more parameter elements in RAM (offload_param.max_in_cpu)"
+    )
+
+
+def _as_param_store(message: str) -> str:
+    """A disk store error (offload/store.py), worded for the optimizer's store, about the parameter store."""
+    for old, new in (("offload_optimizer.nvme_path", "offload_param.nvme_path"),
+                     ("master weights and optimizer state", "parameter and gradient shards"),
+                     ("the disk store", "the parameter store")):  # fmt: skip
+        message = message.replace(old, new)
+    return message
 
 
 def checkpoint_bytes(model, sharded: bool, states, with_optimizer: bool = True) -> int:
