@@ -33,8 +33,9 @@ from trainer_shard import ShardedSeq2SeqTrainer
 from trainer_shard.dtypes import half_dtype, precision
 from trainer_shard.errors import TrainerShardError
 from trainer_shard.faults import EXIT_PEER_FAILED, PeerFailedError, TrainingInterrupted
-from trainer_shard.loading import load_pretrained_lean
+from trainer_shard.loading import load_meta, load_pretrained_lean
 from trainer_shard.offload.dispatch import load_dispatched
+from trainer_shard.training import plan
 from trainer_shard.training.guard import accelerate_cpu_launch, launcher_argv
 from trainer_shard.finetune import (
     count_parameters,
@@ -68,7 +69,8 @@ def main(argv=None, **trainer_kwargs):
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
     )
-    model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload)
+    model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload,
+                       stage=plan.plan(training_args, training_args.offload_config)[0])  # fmt: skip
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
@@ -116,15 +118,22 @@ def main(argv=None, **trainer_kwargs):
     return trainer, results
 
 
-def load_model(model_args, config, dtype, offload_config=None, source="--offload"):
+def load_model(model_args, config, dtype, offload_config=None, source="--offload", stage=None):
     """With the --offload config's "inference" section (evaluation and prediction only): built
     empty, placed by a device map over devices, CPU RAM and disk, loaded a shard at a time
-    (trainer_shard.offload.dispatch). 16-bit parameters for a sharded run load a tensor at a time
+    (trainer_shard.offload.dispatch). With parameter offload (offload_param), built on the meta
+    device: the Trainer reads the weights into the parameter store. 16-bit parameters for a sharded run load a tensor at a time
     when the checkpoint allows (trainer_shard.loading): no moment with the whole checkpoint
     mapped next to them."""
     if offload_config is not None and offload_config.inference is not None:
         return load_dispatched(AutoModelForSeq2SeqLM, model_args.model_name_or_path, offload_config.inference,
                                config=config, source=str(source))  # fmt: skip
+    if stage == 3 and plan.param_offload_spec(offload_config) is not None:
+        model = load_meta(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
+        if model is not None:  # weights read when the Trainer shards it, into the parameter store
+            return model
+        logger.warning("offload_param: %s is not a local folder of safetensors files; loading it whole with "
+                       "from_pretrained before sharding", model_args.model_name_or_path)  # fmt: skip
     if dtype in (torch.bfloat16, torch.float16):
         model = load_pretrained_lean(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
         if model is not None:

@@ -46,10 +46,13 @@ def files_under(folder) -> list:
 def test_matches_ddp_with_parameters_gradients_and_optimizer_on_disk(ddp_run, tiny_model, tiny_data, tmp_path):
     """One unit per T5Block (implied by offload_param), every shard in the stores' files: the final fp32 weights
     within 1e-6 of DDP's, the logged loss and grad norm as DDP's, model.safetensors streamed from
-    the stores; and nothing of the stores left on disk."""
+    the stores; the model built on the meta device and read into the store a tensor at a time;
+    and nothing of the stores left on disk."""
     out = tmp_path / "out"
-    extra = ["--sharded_ddp", "zero_dp_3 offload", "--offload", offload_config(tmp_path)]
-    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP))
+    extra = ["--sharded_ddp", "zero_dp_3 offload", "--offload", offload_config(tmp_path), "--log_level", "info"]
+    proc = run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP)
+    assert_ok(proc)
+    assert "built on the meta device; its weights were read from" in proc.stdout + proc.stderr  # never whole
     held = assert_matches(out, ddp_run, 2)
     assert held["shards"] == held["grad_shards"] == held["persistent"] == 0 and held["on_disk"] > 0, held
     assert files_under(tmp_path / "store") == []

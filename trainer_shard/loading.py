@@ -6,7 +6,8 @@ copy (6 bytes a parameter); with a bf16 file the mapped pages stay resident next
 sharded optimizer's flat buffer. For a run whose parameters are about to be flattened and
 offloaded, that load is the largest moment of the whole run.
 
-`load_pretrained_lean` builds the model on the meta device and fills each parameter from its
+`load_meta` leaves it there for ZeRO-3 with parameter offload (the Trainer reads the weights
+straight into the parameter store). `load_pretrained_lean` builds the model on the meta device and fills each parameter from its
 own short-lived mapping (open, copy one tensor in the target dtype, close), so the load costs
 the 16-bit parameters plus one tensor. It covers the plain case: a local folder of safetensors
 files whose names match the model's state dict exactly, no buffer missing. Anything else
@@ -67,6 +68,32 @@ def load_pretrained_lean(model_class, path, config, dtype):
     if (folder / "generation_config.json").is_file() and model.can_generate():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     model.eval()
+    return model
+
+
+META_WEIGHTS = "_trainer_shard_weights_folder"
+"""The attribute a meta-device model from `load_meta` carries: the folder its weights are read from."""
+
+
+def load_meta(model_class, path, config, dtype):
+    """The model built on the meta device (shapes, no weights) with the folder of its safetensors
+    files in `META_WEIGHTS`, for ZeRO-3 with parameter offload: the Trainer shards it reading the
+    files a tensor at a time straight into the parameter store (`zero3.shard_model(weights=...)`),
+    so the weights are never whole in memory. None when `path` is not a local folder of
+    safetensors files (the caller loads with `from_pretrained`)."""
+    from transformers import GenerationConfig
+
+    folder = Path(path)
+    if not (folder.is_dir() and _weight_files(folder)):
+        return None
+    if dtype in (None, "auto"):  # as from_pretrained: the checkpoint's own, as its config records it
+        dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=dtype)
+    setattr(model, META_WEIGHTS, str(folder))
+    if (folder / "generation_config.json").is_file() and model.can_generate():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
     return model
 
 

@@ -54,6 +54,7 @@ from .config import apply as config_apply
 from .config.load import parse_size
 from .disk import describe_write_error
 from .errors import ArgumentError, CheckpointError
+from .loading import META_WEIGHTS
 from .sharding import ShardedGradScaler, zero3_weights
 from .training import build, checkpoints, loss, plan
 from .training.evaluation import gather_for_metrics
@@ -87,6 +88,8 @@ class ShardedTrainerMixin:
         )
         if self.sharding_stage is not None and self.optimizer is not None:
             self._adopt_sharded_optimizer(self.optimizer)  # the user's own, via optimizers=(...)
+        elif _on_meta(model):
+            self._shard_meta_model(model)
         if getattr(model, "hf_device_map", None):
             # placed by a device map (offload.dispatch): its hooks move the weights; accelerate
             # would move a map of one entry ({"": "disk"}) whole, which offloaded weights cannot
@@ -154,10 +157,12 @@ class ShardedTrainerMixin:
         """The ZeRO stage and offload of this run, from the flags and the --offload config."""
         self.offload_config = getattr(self.args, "offload_config", None)
         self._sharding_stage, self.offload_spec = plan.plan(self.args, self.offload_config)
+        # ZeRO-3's parameter store: the config's offload_param, or what auto chose
+        self.param_offload_spec = plan.param_offload_spec(self.offload_config) if self._sharding_stage == 3 else None
         options = getattr(self.args, "sharded_ddp", None) or []
         model = self.accelerator.unwrap_model(self.model)
         if ShardedDDPOption.AUTO in options and self.train_dataset is not None:  # nothing to choose for evaluation
-            self._sharding_stage, self.offload_spec = plan.choose_strategy(
+            self._sharding_stage, self.offload_spec, self.param_offload_spec = plan.choose_strategy(
                 self.args, model, self.train_dataset, self.offload_config
             )
         config_optimizer = config_apply.optimizer_cls_and_kwargs(self.offload_config, self.args)
@@ -174,8 +179,7 @@ class ShardedTrainerMixin:
                 problems = set_ddp_bucket(self.args, sizes["reduce_bucket_size"], self.args.offload)
                 if problems:
                     raise ArgumentError(problems)
-        # ZeRO-3's parameter store (offload_param, from the config): checked with the optimizer's
-        self.param_offload_spec = plan.param_offload_spec(self.offload_config) if self._sharding_stage == 3 else None
+        # the parameter store checked with the optimizer's
         world_size = world_size_from_env()
         params = self.param_offload_spec
         param_bytes = plan.param_store_bytes(params, model, world_size, self.args, self.offload_config)
@@ -199,15 +203,43 @@ class ShardedTrainerMixin:
         if stage is None or self.optimizer is not None:
             return super().create_optimizer(model)
         build.cast_for_mixed_precision(model if model is not None else self.model, self.args)
-        if stage == 3:  # the parameters sharded before the Trainer groups them for its optimizer
+        if stage == 3 and self.sharded_model is None:  # sharded before the Trainer groups them for its optimizer
             unwrapped = self.accelerator.unwrap_model(model if model is not None else self.model)
             self.sharded_model = build.shard_for_stage3(unwrapped, self.args, self.offload_config,
-                                                        self.get_decay_parameter_names(unwrapped))  # fmt: skip
+                                                        self.get_decay_parameter_names(unwrapped),
+                                                        param_offload=self.param_offload_spec)  # fmt: skip
         plain = super().create_optimizer(model)
         model = self.accelerator.unwrap_model(model if model is not None else self.model)
         self.optimizer = build.wrap(plain, stage, self.offload_spec, self.args, self.offload_config, model)
         self._adopt_sharded_optimizer(self.optimizer)
         return self.optimizer
+
+    def _shard_meta_model(self, model) -> None:
+        """A model built on the meta device (`loading.load_meta`, for parameter offload: its
+        weights are never whole in memory) is sharded now, its weights read from its checkpoint a
+        tensor at a time straight into the parameter store, so that evaluation before training
+        runs it too; `create_optimizer` then finds it sharded."""
+        folder = getattr(model, META_WEIGHTS, None)
+        if self.sharding_stage != 3 or folder is None:
+            raise ArgumentError("the model is on the meta device (no weights): that is for ZeRO-3 with parameter "
+                                "offload (--sharded_ddp \"zero_dp_3 offload\" with an --offload config whose "
+                                "offload_param names a device); load the model with from_pretrained otherwise")  # fmt: skip
+        weights = zero3_weights.checkpoint_weights(folder)
+        try:
+            self.sharded_model = build.shard_for_stage3(model, self.args, self.offload_config,
+                                                        self.get_decay_parameter_names(model), weights=weights,
+                                                        param_offload=self.param_offload_spec)  # fmt: skip
+        finally:
+            weights.close()
+        _force_prepare_model(self.accelerator, evaluation_mode=True, device_placement=False)
+        if self.args.process_index == 0:
+            logger.info("zero_dp_3: the model was built on the meta device; its weights were read from %s a tensor "
+                        "at a time into the parameter store", folder)  # fmt: skip
+
+    def _move_model_to_device(self, model, device):
+        if _on_meta(model):  # sharded from its checkpoint where it is (`_shard_meta_model`)
+            return
+        super()._move_model_to_device(model, device)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None and self.offload_config is not None and self.offload_config.scheduler is not None:
@@ -346,6 +378,10 @@ class ShardedTrainerMixin:
     def evaluation_loop(self, *args, **kwargs):
         self.gather_function = gather_for_metrics(self.accelerator, self.args)
         return super().evaluation_loop(*args, **kwargs)
+
+
+def _on_meta(model) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
 
 
 def _force_prepare_model(accelerator, **forced) -> None:

@@ -2,7 +2,7 @@
 (same class, hyperparameters and weight-decay groups), or a check of the one a user passed.
 
     cast_for_mixed_precision(model, args)           # bf16/fp16 parameters; fp32 masters in the shards
-    sharded = shard_for_stage3(model, args, config, decay_names)   # ZeRO-3: before the optimizer is built
+    sharded = shard_for_stage3(model, args, config, decay_names, param_offload=params)  # ZeRO-3: before the optimizer
     optimizer = wrap(plain, stage, spec, args, config)
     check_adoptable(optimizer, stage, spec, args)   # a user's optimizers=(...) would really shard
 """
@@ -17,7 +17,6 @@ from ..constants import BUCKET_NUMEL
 from ..errors import ArgumentError
 from ..sharding import DynamicLossScaler, ShardedOptimizer, shard_model
 from ..sharding.zero3 import PERSISTENCE_THRESHOLD
-from .plan import param_offload_spec
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +63,15 @@ def unit_modules(model, auto_wrap: bool) -> tuple:
     return found, f"one unit per module of at least {SIZE_BASED_UNIT_NUMEL:.0e} elements ({len(found)} units)"
 
 
-def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
+def shard_for_stage3(model, args, config, decay_names, weights=None, param_offload=None) -> "ShardedModel":
     """ZeRO-3: `model`'s parameters sharded in place (zero3.shard_model), in flat buffers split
     by weight decay or not (the Trainer's `decay_names`), so each param group steps its own.
     Units: `--sharded_ddp "zero_dp_3 auto_wrap"` (or `auto` choosing stage 3, or a config at stage
     3, as DeepSpeed gathers module by module) one per layer, else the whole model; the config's stage-3 keys set the
-    persistence threshold, prefetch and parameter offload (config/apply.py `zero3_kwargs`; the config is the only
-    source of `offload_param`, and its checks at load made sure the optimizer is offloaded too)."""
+    persistence threshold and prefetch (config/apply.py `zero3_kwargs`). `param_offload`: the parameter store the
+    plan chose (`plan.param_offload_spec(config)`, whose checks at load made sure the optimizer is offloaded too,
+    or `plan.choose_strategy`'s, with the optimizer on disk), or None. `weights`: where a meta-device model's
+    parameters are read from (`shard_model`'s)."""
     from ..args import ShardedDDPOption
 
     options = getattr(args, "sharded_ddp", None) or []
@@ -78,19 +79,18 @@ def shard_for_stage3(model, args, config, decay_names) -> "ShardedModel":
     # unit per layer), or from a config alone
     auto_wrap = (ShardedDDPOption.AUTO_WRAP in options or ShardedDDPOption.AUTO in options
                  or (config is not None and ShardedDDPOption.ZERO_DP_3 not in options))  # fmt: skip
-    params = param_offload_spec(config)
     # parameters offloaded: one unit per layer always (the whole model as one unit would be
     # read from the store whole, every forward and backward)
-    units, how = unit_modules(model, auto_wrap or params is not None)
+    units, how = unit_modules(model, auto_wrap or param_offload is not None)
     if config is not None:  # DeepSpeed's keys and defaults (prefetch: 5e7 elements ahead)
         kwargs = config_apply.zero3_kwargs(config, model)
     else:  # the flags alone: prefetch one unit ahead (bench/results/zero3.md measures this)
         kwargs = {"persistence_threshold": PERSISTENCE_THRESHOLD, "prefetch": True}
-    kwargs["param_offload"] = params
+    kwargs["param_offload"] = param_offload
     reduce = config.communication_data_type if config is not None else None
     decay = set(decay_names)
     sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
-                          reduce_dtype=dtypes.DTYPES.get(reduce), **kwargs)  # fmt: skip
+                          reduce_dtype=dtypes.DTYPES.get(reduce), weights=weights, **kwargs)  # fmt: skip
     if args.process_index == 0:
         total = sum(p.numel() for p in model.parameters())
         whole = sum(p.numel() for p in sharded.persistent)
