@@ -48,6 +48,42 @@ def test_disk_store_names_a_path_it_cannot_create(tmp_path):
         DiskStore({"master": 10}, blocker / "x")
 
 
+def test_the_errors_name_the_optimizer_store_and_its_key(tmp_path, monkeypatch):
+    """The optimizer's store is the default role (ZeRO-3's parameter store words its own: test_param_store.py)."""
+    from collections import namedtuple
+
+    from trainer_shard.offload import store as store_module
+
+    monkeypatch.setattr(store_module, "is_writable", lambda path: False)  # as root, chmod would not do
+    with pytest.raises(OffloadStoreError) as raised:
+        DiskStore({"master": 10}, tmp_path / "nvme")
+    assert str(raised.value) == (f"the disk store folder '{tmp_path}/nvme/rank0' is not writable; set "
+                                 "zero_optimization.offload_optimizer.nvme_path to a writable folder")  # fmt: skip
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(__import__("shutil"), "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(OffloadStoreError) as raised:
+        check_disk_store(tmp_path / "other", 0, 4000)
+    assert str(raised.value) == (f"the disk store needs 4,000 bytes in '{tmp_path}/other/rank0' but only 100 are free: "
+                                 "its master weights and optimizer state do not fit; free some space or point "
+                                 "nvme_path to a larger disk")  # fmt: skip
+
+
+def test_close_removes_the_folders_it_made_and_only_those(tmp_path):
+    (tmp_path / "mine").mkdir()
+    store = DiskStore({"0.master": 10}, tmp_path / "mine" / "a" / "b", rank=3)
+    store.close()
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []  # a/ and b/ made, gone
+    (tmp_path / "mine" / "a").mkdir()
+    store = DiskStore({"0.master": 10}, tmp_path / "mine" / "a" / "b")
+    (tmp_path / "mine" / "a" / "b" / "notes.txt").write_text("a file of the user's in a folder the store made")
+    store.close()
+    assert sorted(p.name for p in (tmp_path / "mine" / "a").rglob("*") if p.name != ".made-by-trainer_shard") == [
+        "b", "notes.txt"]  # b/ stays while the user's file is in it (still marked as a store's)  # fmt: skip
+    (tmp_path / "mine" / "a" / "b" / "notes.txt").unlink()
+    DiskStore({"0.master": 10}, tmp_path / "mine" / "a" / "b").close()
+    assert os.listdir(tmp_path / "mine" / "a") == []  # b/ gone now, a/ (the user's) kept
+
+
 # ---- one store per folder: a lock per rank's folder (issue 17, item 1) --------------------------
 
 

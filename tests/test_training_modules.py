@@ -347,7 +347,7 @@ def test_sharded_ddp_auto_waits_for_the_probe_and_shares_its_failure(tmp_path):
     mp.start_processes(_auto_on_rank, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
                        start_method="spawn")  # fmt: skip
     slow, fails = ([(tmp_path / f"{attempt}{r}").read_text() for r in range(2)] for attempt in ("slow", "fails"))
-    assert slow == [repr((2, OffloadSpec("cpu")))] * 2
+    assert slow == [repr((2, OffloadSpec("cpu"), None))] * 2
     assert fails[0] == fails[1], fails
     assert fails[0].startswith("TrainerShardError: --sharded_ddp auto: the memory probe on rank 0 failed") and (
         "Killed" in fails[0])  # fmt: skip

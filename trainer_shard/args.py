@@ -230,14 +230,13 @@ def _apply_config_to_args(args, config, stage, path) -> list:
             problems.append(f"--offload {path}: {e}")
     params = config.param_offload or {}
     if stage == 3 and params.get("device") == "nvme":
-        from .offload.param_store import PARAM_FOLDER
+        from .offload.param_store import PARAM_FOLDER, PARAMS
         from .offload.store import OffloadStoreError, check_disk_store
 
         try:  # the parameter store's folder (room and other runs: training/plan.py, once the model is known)
-            check_disk_store(Path(params["nvme_path"]) / PARAM_FOLDER, 0, 0)
+            check_disk_store(Path(params["nvme_path"]) / PARAM_FOLDER, 0, 0, role=PARAMS)
         except OffloadStoreError as e:
-            message = str(e).replace("offload_optimizer.nvme_path", "offload_param.nvme_path")
-            problems.append(f"--offload {path}: offload_param: {message}")
+            problems.append(f"--offload {path}: offload_param: {e}")
     folder = (config.inference or {}).get("offload_folder")
     if folder:
         from .offload.store import OffloadStoreError, check_disk_store

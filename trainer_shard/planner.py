@@ -14,6 +14,7 @@ trainer_shard implements it:
 | `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` |
 | `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K |
 | + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk |
+| `zero_dp_3` + offload `disk_params` | on disk (w S/N); `buffer_count` units gathered + w K | on disk (w S/N) + 3 unit buckets + 4 units' slices | on disk, K/N's too |
 
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
 fp32 masters in the shards) else 4.
@@ -29,12 +30,31 @@ of up to 3 units being reduce-scattered (`GradReducer`: one filling, 2 in flight
 each rank builds or loads the whole model before sharding it (4 A in fp32), below the training
 peak at 2 ranks, not necessarily at 4 or more.
 
+`disk_params` (ZeRO-Infinity's layout: `offload_param` and `offload_optimizer` on nvme, as
+`--sharded_ddp auto` runs it, `AUTO_PARAM_OFFLOAD`: no parameter kept in RAM, `max_in_cpu` 0):
+each unit's parameter shard and gradient shard are files (`offload.param_store`), and so are the
+fp32 masters and moments, the persistent parameters' too (the engine steps them from its store).
+In RAM (`zero3_param_offload_parts`): the gather buffers of at most `buffer_count` units (the root,
+held through forward and backward, and the largest others), the persistent parameters and the
+unit buckets as above, the reduce-scatter outputs of the 2 buckets in flight, the reduced slices
+being written (the one on the writer thread and the next), and the engine's chunk buffers
+(master, moments, gradient and parameter chunks; one fp32 gradient chunk per kind of flat group).
+
+Disk traffic a step, per rank (`disk_traffic`; a node's disk serves its N ranks): the disk rows
+read and write every byte of the optimizer's store once (master and moments, chunk by chunk);
+`disk_params` also reads the parameter shards twice (gathered in forward, again in backward) and
+the gradient shards once (the step), and writes the gradient shards (backward) and the new
+parameter shards (the step): reads = 2 w S/N + w S/N + 12 (S + K)/N, writes = 2 w S/N + 12 (S + K)/N
+(gradients in w bytes, 16-bit by default).
+
 Activations and the runtime come from a short measured probe: in a fresh process that imports
 what training imports, a forward and backward pass at batch size 1 and 4 on the actual device
 (the rise of peak RSS, or of CUDA's peak allocation, above the model and its gradients),
 extrapolated linearly to the batch size; without a probe (`--no_probe`), from the bytes autograd
-saves for backward on the meta device. The tests check the predictions against the measured
-peaks of real runs (zero_dp_3's: plain-loop runs, bench/planner_zero3.py).
+saves for backward on the meta device. The tests check the state arithmetic against the bytes
+real ranks hold; the predictions are checked against the measured peaks of real runs by
+bench/planner_trainer.py (ddp, simple, zero_dp_2 through the Trainer) and bench/planner_zero3.py
+(zero_dp_3 and zero_dp_2 in plain loops).
 """
 
 import argparse
@@ -47,15 +67,19 @@ from .constants import BUCKET_NUMEL, CHUNK_NUMEL, PRECISIONS
 
 STRATEGIES = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_3", None), ("simple", "cpu"),
               ("zero_dp_2", "cpu"), ("zero_dp_3", "cpu"), ("simple", "disk"), ("zero_dp_2", "disk"),
-              ("zero_dp_3", "disk")]  # fmt: skip
+              ("zero_dp_3", "disk"), ("zero_dp_3", "disk_params")]  # fmt: skip
 # --sharded_ddp auto tries these in order: less communication and I/O first. zero_dp_3 right after
 # zero_dp_2, each offload after zero_dp_2's: gathering every unit twice a step, its step measured
 # 0.99x and 1.01x zero_dp_2's (t5-small, t5-base, 2 gloo ranks: bench/results/zero3.md), while on
 # a GPU CPU offload moves gradients and weights over PCIe and steps on the CPU every step, and disk
 # offload took 1.9x the step without (bench/results/offload.md). zero_dp_2 first where both fit:
 # ZeRO-3 moves 1.5x ZeRO-2's bytes (NCCL), and the measured peaks at 2 ranks differ little.
+# disk_params last: the most I/O a step (every parameter shard read twice, the gradients written and
+# read back, on top of the optimizer's store), for a model whose 16-bit weights do not fit.
 AUTO_ORDER = [("ddp", None), ("simple", None), ("zero_dp_2", None), ("zero_dp_3", None), ("zero_dp_2", "cpu"),
-              ("zero_dp_3", "cpu"), ("zero_dp_2", "disk"), ("zero_dp_3", "disk")]  # fmt: skip
+              ("zero_dp_3", "cpu"), ("zero_dp_2", "disk"), ("zero_dp_3", "disk"),
+              ("zero_dp_3", "disk_params")]  # fmt: skip
+PARAM_OFFLOAD = "disk_params"  # the offload of zero_dp_3 with parameters and gradients on disk too
 NAMED = {  # T5 architectures, built on the meta device: no download, no weights
     "t5-small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
     "t5-base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
@@ -65,7 +89,12 @@ NAMED = {  # T5 architectures, built on the meta device: no download, no weights
 }
 STATE_TENSORS = 2  # AdamW's exp_avg and exp_avg_sq
 PROBE_TIMEOUT_S = 1800  # the longest one memory probe may take (a subprocess); up to two a run
-DISK_BUFFERS = 4 * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers (buffer_count 4)
+ENGINE_BUFFERS = 4  # the offload engine's sets of chunk buffers (OffloadSpec.buffer_count's default)
+DISK_BUFFERS = ENGINE_BUFFERS * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4  # the disk store's chunk buffers
+# The parameter store `--sharded_ddp auto` opens for disk_params (with nvme_path under output_dir):
+# DeepSpeed's buffer_count, and no parameter kept in RAM (DeepSpeed's max_in_cpu 1e9 would keep a
+# small model's shards whole in RAM, out of this row's arithmetic, when nothing else fitted it).
+AUTO_PARAM_OFFLOAD = {"buffer_count": 5, "max_in_cpu": 0}
 
 
 @dataclass
@@ -159,7 +188,8 @@ def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: in
                    units: Units | None = None) -> dict:  # fmt: skip
     """{"device", "cpu", "disk"}: bytes a rank keeps for parameters, gradients and optimizer
     state under `strategy` (ddp, simple, zero_dp_2, zero_dp_3: with its `units`) and `offload`
-    (None, cpu, disk); zero_dp_3 also its gather buffers and unit buckets. Pure."""
+    (None, cpu, disk; zero_dp_3 also disk_params: `zero3_param_offload_parts`); zero_dp_3 also its
+    gather buffers and unit buckets. Pure."""
     A, P, N = total, trainable, world
     if strategy == "ddp":
         if offload:
@@ -168,6 +198,8 @@ def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: in
     w = 2 if precision in ("bf16", "fp16") else 4
     if strategy == "zero_dp_3":
         return _zero3_bytes(offload, units, N, w)
+    if offload == PARAM_OFFLOAD:
+        raise ValueError(f"{PARAM_OFFLOAD} offloads zero_dp_3's parameters, not {strategy}'s")
     shard = -(-P // N)
     grad_shard = w * shard if offload else 4 * shard
     if strategy == "simple":
@@ -184,6 +216,10 @@ def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: in
 
 
 def _zero3_bytes(offload, units: Units | None, world: int, w: int) -> dict:
+    if offload == PARAM_OFFLOAD:
+        parts = zero3_param_offload_parts(units, world, w)
+        return {"device": sum(parts[k] for k in ON_DEVICE), "cpu": sum(parts[k] for k in IN_CPU_RAM),
+                "disk": sum(parts[k] for k in ON_DISK)}  # fmt: skip
     parts = zero3_parts(offload, units, world, w)
     device = sum(v for k, v in parts.items() if k != "optimizer")
     optimizer = parts["optimizer"]
@@ -216,6 +252,66 @@ def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
     }
 
 
+# `zero3_param_offload_parts`' parts, by where they live
+ON_DEVICE = ("pool", "persistent", "buckets", "reduced")
+IN_CPU_RAM = ("grad_writes", "engine")
+ON_DISK = ("param_shards", "grad_shards", "optimizer")
+
+
+def zero3_param_offload_parts(units: Units | None, world: int, w: int,
+                              buffer_count: int = AUTO_PARAM_OFFLOAD["buffer_count"]) -> dict:  # fmt: skip
+    """zero_dp_3 with parameters, gradients and optimizer state on disk (`disk_params`: the
+    parameter store on nvme with `max_in_cpu` 0, the optimizer's too), bytes per rank by part. On
+    the compute device: "pool" (the gather buffers of at most `buffer_count` units alive at once:
+    the root, held through forward and backward, and the largest others), "persistent" and
+    "buckets" (as `zero3_parts`), "reduced" (the reduce-scatter outputs of the 2 buckets in flight:
+    this rank's slice of a unit). In CPU RAM: "grad_writes" (a unit's reduced slice in w bytes on
+    the store's writer thread and the next one, made before it waits for that write) and "engine"
+    (the offload engine's `ENGINE_BUFFERS` sets of chunk buffers: fp32 master and moments, the
+    gradient chunks read and the parameter chunks written, w bytes each; and an fp32 gradient chunk
+    for the shards' flat groups and one for the persistent parameters'). On disk: "param_shards"
+    and "grad_shards" (w S/N each) and "optimizer" (fp32 masters and moments of the shards and of
+    the persistent parameters' shard, which the engine steps from its store too)."""
+    from .sharding.reducer import MAX_16BIT_RANKS
+
+    parts = zero3_parts("disk", units, world, w)
+    shard, K, N = units.shard, units.persistent, world
+    others = min(buffer_count - (1 if units.root else 0), len(units.inner))
+    slice_numel = max((*units.inner, units.root)) // N  # this rank's slice of the largest unit (padded to N)
+    return {
+        "pool": w * (units.root + others * max(units.inner, default=0)),
+        "persistent": parts["persistent"],
+        "buckets": parts["buckets"],
+        "reduced": 2 * (4 if N > MAX_16BIT_RANKS else w) * slice_numel,  # `default_reduce_dtype`
+        "grad_writes": 2 * w * slice_numel,
+        "engine": DISK_BUFFERS + ENGINE_BUFFERS * CHUNK_NUMEL * 2 * w + 2 * 4 * CHUNK_NUMEL,
+        "param_shards": w * shard,
+        "grad_shards": w * shard,
+        "optimizer": 4 * (1 + STATE_TENSORS) * (shard + -(-K // N)),
+    }
+
+
+def disk_traffic(strategy: str, offload, trainable: int, world: int, precision: str,
+                 units: Units | None = None) -> dict:  # fmt: skip
+    """{"read", "written"}: bytes a rank's disk stores read and write in one training step (one
+    micro-batch; checkpoints aside), 0 without disk offload. The optimizer's store (master and
+    moments) is read and written whole once, chunk by chunk; with `disk_params` the parameter store
+    also reads each parameter shard twice (forward's gather, backward's) and the gradient shards
+    once (the step), and writes the gradient shards (backward) and the updated parameter shards
+    (the step). Pure."""
+    if offload not in ("disk", PARAM_OFFLOAD):
+        return {"read": 0, "written": 0}
+    w = 2 if precision in ("bf16", "fp16") else 4
+    if offload == "disk":
+        optimizer = strategy_bytes(strategy, offload, trainable, trainable, world, precision, units)["disk"]
+        return {"read": optimizer, "written": optimizer}
+    if strategy != "zero_dp_3":
+        raise ValueError(f"{PARAM_OFFLOAD} offloads zero_dp_3's parameters, not {strategy}'s")
+    parts = zero3_param_offload_parts(units, world, w)
+    params, grads, optimizer = parts["param_shards"], parts["grad_shards"], parts["optimizer"]
+    return {"read": 2 * params + grads + optimizer, "written": grads + optimizer + params}
+
+
 def probe_modes(precision: str) -> dict:
     """The probe each strategy needs: DDP trains fp32 weights (autocast for --bf16/--fp16), the
     sharded strategies 16-bit parameters."""
@@ -226,7 +322,8 @@ def probe_modes(precision: str) -> dict:
 
 def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
              device: str = "cpu", probes: dict | None = None, max_memory: int | None = None) -> list:
-    """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, fits.
+    """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, the
+    bytes the node's disk reads and writes a step (`disk_traffic`), fits.
     `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device."""
     total, trainable = count_parameters(config)
     units = zero3_units(config, world_size)
@@ -243,8 +340,10 @@ def estimate(config, *, world_size: int, precision: str, batch_size: int, source
         else:
             per_rank = parts["device"] + activations
             node = world_size * (probe.runtime + parts["cpu"])
+        traffic = disk_traffic(strategy, offload, trainable, world_size, precision, units)
         rows.append({"strategy": strategy, "offload": offload or "none", "per_rank": per_rank, "cpu_per_node": node,
-                     "disk_per_node": world_size * parts["disk"],
+                     "disk_per_node": world_size * parts["disk"], "disk_read_per_node": world_size * traffic["read"],
+                     "disk_written_per_node": world_size * traffic["written"],
                      "fits": None if max_memory is None else per_rank <= max_memory})  # fmt: skip
     return rows
 
@@ -441,11 +540,14 @@ def meta_probe(config, source_length: int, target_length: int) -> Probe:
 def format_table(rows: list, max_memory: int | None, units: Units | None = None) -> str:
     """The rows as a markdown table; with `units`, a note on what the zero_dp_3 rows assume."""
     gib = 2**30
-    lines = ["| strategy | offload | per rank (GiB) | CPU RAM per node (GiB) | disk per node (GiB) | fits |", "|---|---|---|---|---|---|"]
+    lines = ["| strategy | offload | per rank (GiB) | CPU RAM per node (GiB) | disk per node (GiB) | "
+             "disk read / written a step per node (GiB) | fits |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
+        traffic = (f"{r['disk_read_per_node'] / gib:.2f} / {r['disk_written_per_node'] / gib:.2f}"
+                   if r["disk_read_per_node"] or r["disk_written_per_node"] else "-")  # fmt: skip
         lines.append(f"| {r['strategy']} | {r['offload']} | {r['per_rank'] / gib:.2f} | {r['cpu_per_node'] / gib:.2f} | "
-                     f"{r['disk_per_node'] / gib:.2f} | {fits} |")  # fmt: skip
+                     f"{r['disk_per_node'] / gib:.2f} | {traffic} | {fits} |")  # fmt: skip
     if max_memory is not None:
         lines.append(f"\nfits: per rank at most {max_memory / gib:.2f} GiB")
     if units is not None:
@@ -461,7 +563,9 @@ def zero3_note(units: Units) -> str:
                 f"units of up to {units.largest / m:.2f} M elements, the rest")  # fmt: skip
     return (f"zero_dp_3 (auto_wrap): {wrap} the root unit of {units.root / m:.2f} M elements, gathered through "
             f"forward and backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
-            f"kept: {units.pool_numel() / m:.2f} M elements")  # fmt: skip
+            f"kept: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient and optimizer "
+            f"shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
+            "buffers of at most that many units in RAM; max_in_cpu 0)")  # fmt: skip
 
 
 def estimate_main(argv=None) -> int:

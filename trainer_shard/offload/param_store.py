@@ -29,11 +29,20 @@ from pathlib import Path
 
 import torch
 
-from .store import CpuStore, DiskStore, bytes_needed
+from .store import CpuStore, DiskStore, StoreRole, bytes_needed
 
 logger = logging.getLogger(__name__)
 
 PARAM_FOLDER = "zero3_params"
+
+# whose store it is, in the disk store's errors (offload/store.py): the key to change, what it holds
+PARAMS = StoreRole(
+    key="zero_optimization.offload_param.nvme_path",
+    setting="offload_param.nvme_path",
+    what="parameter and gradient shards",
+    name="parameter store",
+    owner="the sharded model that holds it (ShardedModel.close())",
+)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ class ParamStore:
             else:
                 disk[name] = (numel, dtype)
         self.ram = CpuStore(ram, pin_memory=spec.pin_memory)
-        self.disk = DiskStore(disk, spec.folder, rank=rank) if disk else None
+        self.disk = DiskStore(disk, spec.folder, rank=rank, role=PARAMS) if disk else None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-params") if disk else None
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-grads") if disk else None
         self._writes = collections.deque()  # futures of `write_async`, oldest first

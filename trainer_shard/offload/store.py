@@ -14,7 +14,9 @@ chunk by chunk and decides what moves where.
 
 Failures are errors that name the path and the bytes needed (`OffloadStoreError`), raised before
 anything is written: an unwritable folder, a disk without room for the files, or a folder that
-another run's store is using.
+another run's store is using. A `StoreRole` says whose store it is, for the errors to name the
+config key to change and what is at stake: the optimizer's (`OPTIMIZER`, the default) or ZeRO-3's
+parameter store (`param_store.PARAMS`).
 
 [Note: disk store lifetime] A rank's folder belongs to one store at a time, and nothing of it
 outlives the process that made it except after SIGKILL:
@@ -30,6 +32,10 @@ outlives the process that made it except after SIGKILL:
   store is open deletes them all, then dies of the signal as before. SIGTERM/SIGINT during
   `train()` are faults.py's: they end the process through one of the paths above.
 - A file that cannot be deleted is reported (a warning naming it, its size and the error).
+- Folders: the rank's folder is the store's and goes with it; each folder above it that a store
+  created (nvme_path, `zero3_params/`) is marked (`_MADE_HERE`) and removed when nothing but the
+  mark is left in it: by whichever store closes last, of any rank or role. A folder the user made
+  is never removed.
 """
 
 import ctypes
@@ -43,6 +49,7 @@ import socket
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +62,26 @@ logger = logging.getLogger(__name__)
 
 class OffloadStoreError(TrainerShardError):
     """The offload store cannot be created or written: the path and the bytes are in the message."""
+
+
+@dataclass(frozen=True)
+class StoreRole:
+    """Whose disk store it is, in the words of its errors."""
+
+    key: str  # the config key that says where it goes: "set {key} to a writable folder"
+    setting: str  # that key, short: "point {setting} to a larger disk"
+    what: str  # what it holds: "two runs on one store would overwrite each other's {what}"
+    name: str  # "the {name} folder ... is in use"
+    owner: str  # "close {owner} before making another one there"
+
+
+OPTIMIZER = StoreRole(
+    key="zero_optimization.offload_optimizer.nvme_path",
+    setting="nvme_path",
+    what="master weights and optimizer state",
+    name="disk store",
+    owner="the optimizer that holds it (ShardedOptimizer.close())",
+)
 
 
 class CpuStore:
@@ -90,37 +117,37 @@ class CpuStore:
 
 class DiskStore:
     """Files under `folder/rank<rank>/`, locked for this store's lifetime; see the module docstring
-    and [Note: disk store lifetime]."""
+    and [Note: disk store lifetime]. `role`: whose store it is, for its errors (the optimizer's by
+    default)."""
 
-    def __init__(self, sizes: dict, folder, *, rank: int = 0):
+    def __init__(self, sizes: dict, folder, *, rank: int = 0, role: StoreRole = OPTIMIZER):
         self.folder = Path(folder) / f"rank{rank}"
+        self.role = role
         self.sizes = {}
-        made_parent, made = not self.folder.parent.exists(), not self.folder.exists()
+        made = not self.folder.exists()
         # the room a store killed there left counts: it is deleted below, once the lock is ours
-        _check_writable(self.folder, bytes_needed(sizes) - _leftover_bytes(self.folder))
-        if made_parent:  # nvme_path is ours to remove when the last rank's folder is gone
-            (self.folder.parent / _MADE_HERE).touch()
+        _check_writable(self.folder, bytes_needed(sizes) - _leftover_bytes(self.folder), role)
         try:
-            lock_fd, previous = _lock(self.folder)
+            lock_fd, previous = _lock(self.folder, role)
         except OffloadStoreError:
             if made:
-                _remove_folders(self.folder)
+                _remove_folders(self.folder, role)
             raise
-        self._held = _Held(self.folder, lock_fd)
+        self._held = _Held(self.folder, lock_fd, role)
         self._fds = self._held.fds  # one dict: what `add` opens, `close` closes
         self._files = self._held.files  # name -> file name
         # bytes moved and seconds spent in pread/pwrite (all threads), for the benchmarks
         self.stats = {"read_bytes": 0, "write_bytes": 0, "read_seconds": 0.0, "write_seconds": 0.0}
         self._stats_lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._held.release)
-        _remove_leftover(self.folder, previous)
+        _remove_leftover(self.folder, previous, role)
         self.add(sizes)
 
     def add(self, sizes: dict) -> None:
         """Create (and reserve on disk) the files of more tensors: {name: numel} (fp32) or
         {name: (numel, dtype)}."""
         needed = bytes_needed(sizes)
-        _check_writable(self.folder, needed)
+        _check_writable(self.folder, needed, self.role)
         self.sizes.update(sizes)
         try:
             for name, size in sizes.items():
@@ -132,9 +159,10 @@ class DiskStore:
                     os.posix_fallocate(fd, 0, numel * dtype.itemsize)  # reserve the space now: no ENOSPC mid-run
         except OSError as e:
             self.close()
+            fp32 = "fp32 " if all(_numel_dtype(size)[1] == torch.float32 for size in self.sizes.values()) else ""
             raise OffloadStoreError(
-                f"cannot create the disk store in {str(self.folder)!r} ({needed:,} bytes for {len(self.sizes)} "
-                f"fp32 tensors): {e.strerror or e}; free some space or point nvme_path to a larger disk"
+                f"cannot create the {self.role.name} in {str(self.folder)!r} ({needed:,} bytes for {len(self.sizes)} "
+                f"{fp32}tensors): {e.strerror or e}; free some space or point {self.role.setting} to a larger disk"
             ) from None
 
     def read(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
@@ -170,16 +198,17 @@ class DiskStore:
             self.stats[f"{what}_seconds"] += time.perf_counter() - began
 
     def _failed(self, what: str, name: str, offset: int, size: int, error: OSError) -> OffloadStoreError:
+        role = self.role
         return OffloadStoreError(
-            f"the disk store could not {what} {size:,} bytes at byte {offset:,} of {str(self.folder / self._files[name])}: "
-            f"{error.strerror or error}; the optimizer state of this run is lost from that point: resume from the "
-            "last checkpoint with nvme_path on a healthy, writable disk"
+            f"the {role.name} could not {what} {size:,} bytes at byte {offset:,} of "
+            f"{str(self.folder / self._files[name])}: {error.strerror or error}; the {role.what} of this run are lost "
+            f"from that point: resume from the last checkpoint with {role.setting} on a healthy, writable disk"
         )
 
     def close(self) -> None:
-        """Delete this rank's files, lock file and folder (and nvme_path itself if a store made it
-        and no rank's folder is left), then release the lock. Idempotent; also runs when the store
-        is garbage collected and at exit. A file it cannot delete is reported (a warning)."""
+        """Delete this rank's files, lock file and folder (and the folders above it that a store
+        made, once nothing else is in them), then release the lock. Idempotent; also runs when the
+        store is garbage collected and at exit. A file it cannot delete is reported (a warning)."""
         self._finalizer()
 
 
@@ -191,8 +220,8 @@ class _Held:
     files' descriptors), apart from the store so that its finalizer and `close_all` can delete
     them without keeping the store alive. Registered in `_OPEN` until deleted."""
 
-    def __init__(self, folder: Path, lock_fd: int):
-        self.folder, self.lock_fd, self.fds, self.files = folder, lock_fd, {}, {}
+    def __init__(self, folder: Path, lock_fd: int, role: StoreRole = OPTIMIZER):
+        self.folder, self.lock_fd, self.fds, self.files, self.role = folder, lock_fd, {}, {}, role
         self.pid = os.getpid()
         self.deleted = self.closed = False
         _OPEN.add(self)
@@ -208,9 +237,9 @@ class _Held:
             _OPEN.discard(self)
             if self.pid == os.getpid():
                 for name in list(self.fds):
-                    _unlink(self.folder / self.files.get(name, f"{name}.f32"))
+                    _unlink(self.folder / self.files.get(name, f"{name}.f32"), self.role)
                 _unlink_lock(self.folder, self.lock_fd)
-                _remove_folders(self.folder)
+                _remove_folders(self.folder, self.role)
             if not _OPEN:
                 _unwatch_sigterm()
         if not hard and not self.closed:
@@ -232,7 +261,7 @@ def close_all() -> None:
         try:
             held.release(hard=True)
         except Exception as e:  # noqa: BLE001 - on the way out: say it, go on with the others
-            logger.warning("could not delete the disk store in %s: %s", held.folder, e)
+            logger.warning("could not delete the %s in %s: %s", held.role.name, held.folder, e)
 
 
 def watch_sigterm() -> None:
@@ -263,7 +292,7 @@ def _die_of_sigterm(signum, frame) -> None:
 _LOCK = ".lock"
 
 
-def _lock(folder: Path) -> tuple:
+def _lock(folder: Path, role: StoreRole = OPTIMIZER) -> tuple:
     """(descriptor, previous holder) of an exclusive lock on `folder`'s lock file, which then names
     this process; the previous holder is the (pid, host) a store killed there left, else None.
     Raises `OffloadStoreError` naming the holder when another store has it."""
@@ -271,13 +300,13 @@ def _lock(folder: Path) -> tuple:
     for attempt in range(100):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:  # a store closing there removed the folder (and nvme_path if a store made it)
-            _remake(folder)
+        except FileNotFoundError:  # a store closing there removed the folder (and those above it that a store made)
+            _make_folder(folder, role)
             continue
         except OSError as e:
             raise OffloadStoreError(
-                f"cannot create the lock file {str(path)!r} of the disk store: {e.strerror or e}; set "
-                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+                f"cannot create the lock file {str(path)!r} of the {role.name}: {e.strerror or e}; set "
+                f"{role.key} to a writable folder"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -287,11 +316,13 @@ def _lock(folder: Path) -> tuple:
             if holder == _me() and attempt == 0:
                 gc.collect()  # a store of this process that nothing references any more: its finalizer frees it
                 continue
-            raise _in_use(folder, holder) from None
+            raise _in_use(folder, holder, role) from None
         except OSError as e:
             _close_fd(fd)
-            raise OffloadStoreError(f"cannot lock {str(path)!r}: {e.strerror or e}; the disk store needs a filesystem "
-                                    "with file locks (flock): point nvme_path to a local disk") from None  # fmt: skip
+            raise OffloadStoreError(
+                f"cannot lock {str(path)!r}: {e.strerror or e}; the {role.name} needs a filesystem with file locks "
+                f"(flock): point {role.setting} to a local disk"
+            ) from None
         if _same_file(fd, path):
             previous = _holder(fd)
             os.ftruncate(fd, 0)
@@ -301,16 +332,22 @@ def _lock(folder: Path) -> tuple:
     raise OffloadStoreError(f"could not lock {str(path)!r}: other processes kept replacing it; try again")
 
 
-def _remake(folder: Path) -> None:
-    made_parent = not folder.parent.exists()
+def _make_folder(folder: Path, role: StoreRole) -> None:
+    """Make a rank's folder and what is missing above it, marking each folder above it that this
+    made (`_MADE_HERE`): a store removes those, and only those, when it is done with them."""
+    missing = []
+    parent = folder.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if made_parent:
-            (folder.parent / _MADE_HERE).touch()
+        for made in missing:
+            (made / _MADE_HERE).touch()
     except OSError as e:
         raise OffloadStoreError(
-            f"cannot create the disk store folder {str(folder)!r}: {e.strerror or e}; set "
-            "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+            f"cannot create the {role.name} folder {str(folder)!r}: {e.strerror or e}; set {role.key} to a "
+            "writable folder"
         ) from None
 
 
@@ -337,23 +374,21 @@ def _same_file(fd: int, path: Path) -> bool:
     return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _in_use(folder: Path, holder: tuple | None) -> OffloadStoreError:
+def _in_use(folder: Path, holder: tuple | None, role: StoreRole = OPTIMIZER) -> OffloadStoreError:
     if holder == _me():
         return OffloadStoreError(
-            f"the disk store folder {str(folder)!r} is in use by another store of this process (pid {holder[0]}): "
-            "close the optimizer that holds it (ShardedOptimizer.close()) before making another one there, or give "
-            "this one another nvme_path"
+            f"the {role.name} folder {str(folder)!r} is in use by another store of this process (pid {holder[0]}): "
+            f"close {role.owner} before making another one there, or give this one another {role.setting}"
         )
     who = f"process {holder[0]} on host {holder[1]}" if holder else "another process"
     return OffloadStoreError(
-        f"the disk store folder {str(folder)!r} is in use by another run: {who} holds its lock. Two runs on one "
-        "store would overwrite each other's master weights and optimizer state: give this run another nvme_path "
-        "(zero_optimization.offload_optimizer.nvme_path in the --offload config), or wait for that run to end (or "
-        "stop it) and start again"
+        f"the {role.name} folder {str(folder)!r} is in use by another run: {who} holds its lock. Two runs on one "
+        f"store would overwrite each other's {role.what}: give this run another {role.setting} ({role.key} in the "
+        "--offload config), or wait for that run to end (or stop it) and start again"
     )
 
 
-def _check_not_in_use(folder: Path) -> None:
+def _check_not_in_use(folder: Path, role: StoreRole = OPTIMIZER) -> None:
     """Raise `OffloadStoreError` if another process's store holds `folder` (a check at start: it
     takes no lock and deletes nothing; a store of this process is its own business)."""
     try:
@@ -365,7 +400,7 @@ def _check_not_in_use(folder: Path) -> None:
     except BlockingIOError:
         holder = _holder(fd, wait=1.0)
         if holder != _me():
-            raise _in_use(folder, holder) from None
+            raise _in_use(folder, holder, role) from None
     except OSError:
         pass  # no file locks here: the store says so when it opens
     finally:
@@ -379,17 +414,17 @@ def _leftover_bytes(folder: Path) -> int:
     return sum(_size(f) for f in _store_files(folder)) if folder.is_dir() else 0
 
 
-def _remove_leftover(folder: Path, previous: tuple | None) -> None:
+def _remove_leftover(folder: Path, previous: tuple | None, role: StoreRole = OPTIMIZER) -> None:
     """Delete the files a store killed with SIGKILL left in `folder` (its lock was free: no process
     uses them), and say so."""
     files = sorted(_store_files(folder))
     if not files:
         return
-    freed = sum(_unlink(f) for f in files)
+    freed = sum(_unlink(f, role) for f in files)
     by = f" by process {previous[0]} on host {previous[1]}" if previous else ""
-    logger.warning("removed a leftover disk store in %s: %s freed (%d files left%s, which ended without "
+    logger.warning("removed a leftover %s in %s: %s freed (%d files left%s, which ended without "
                    "deleting them: killed with SIGKILL, or its machine went down)",
-                   folder, format_bytes(freed), len(files), by)  # fmt: skip
+                   role.name, folder, format_bytes(freed), len(files), by)  # fmt: skip
 
 
 def _size(path: Path) -> int:
@@ -399,7 +434,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _unlink(path: Path) -> int:
+def _unlink(path: Path, role: StoreRole = OPTIMIZER) -> int:
     """Delete `path`: the bytes freed (0 when there was nothing to delete, or it could not be:
     that is reported)."""
     size = _size(path)
@@ -408,7 +443,7 @@ def _unlink(path: Path) -> int:
     except FileNotFoundError:
         return 0
     except OSError as e:
-        logger.warning("could not delete the disk store file %s (%s): %s; delete it by hand", path,
+        logger.warning("could not delete the %s file %s (%s): %s; delete it by hand", role.name, path,
                        format_bytes(size), e.strerror or e)  # fmt: skip
         return 0
     return size
@@ -421,24 +456,42 @@ def _unlink_lock(folder: Path, fd: int) -> None:
         _unlink(folder / _LOCK)
 
 
-def _remove_folders(folder: Path) -> None:
-    """Remove a rank's folder once empty, and nvme_path too when a store made it (marked) and no
-    rank's folder is left. A folder that is not empty stays (a file of the user's, or the lock of
-    a store that just took over); one that cannot be removed is reported."""
+def _remove_folders(folder: Path, role: StoreRole = OPTIMIZER) -> None:
+    """Remove a rank's folder once empty, then each folder above it that a store made (marked by
+    `_MADE_HERE`) and that holds nothing else, up to the first that stays. A folder with anything
+    else in it stays (another rank's folder, another store's, a file of the user's, the lock of a
+    store that just took over), and so does one the user made (unmarked); one that cannot be
+    removed is reported."""
     try:
         folder.rmdir()
     except OSError as e:
         if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
-            logger.warning("could not delete the disk store folder %s: %s; delete it by hand", folder, e.strerror or e)
+            logger.warning("could not delete the %s folder %s: %s; delete it by hand", role.name, folder,
+                           e.strerror or e)  # fmt: skip
+    # Ranks and stores close in any order: whichever finds a marked folder empty but for its mark
+    # removes it, and goes on up.
     parent = folder.parent
-    # Ranks close in any order: whichever finds no rank folder left removes the folder a rank
-    # created (marked); a folder the user made stays.
-    try:
-        if (parent / _MADE_HERE).exists() and not any(p.name.startswith("rank") for p in parent.iterdir()):
+    while parent != parent.parent:
+        try:
+            if os.listdir(parent) != [_MADE_HERE]:
+                return  # unmarked (the user's), or something else still in it
             (parent / _MADE_HERE).unlink(missing_ok=True)
+        except FileNotFoundError:
+            parent = parent.parent  # another store removed it first: the one above may be empty now too
+            continue
+        except OSError:
+            return
+        try:
             parent.rmdir()
-    except OSError:
-        pass  # another rank got there first (even between the two checks), or a file appeared
+        except FileNotFoundError:
+            pass
+        except OSError:  # something appeared in it between the two steps: it stays, still a store's
+            try:
+                (parent / _MADE_HERE).touch()
+            except OSError:
+                pass
+            return
+        parent = parent.parent
 
 
 def _close_fd(fd: int) -> None:
@@ -474,45 +527,39 @@ def bytes_needed(sizes: dict) -> int:
     return sum(numel * dtype.itemsize for numel, dtype in map(_numel_dtype, sizes.values()))
 
 
-def check_disk_store(folder, rank: int, needed: int, *, in_use: bool = False) -> None:
+def check_disk_store(folder, rank: int, needed: int, *, in_use: bool = False, role: StoreRole = OPTIMIZER) -> None:
     """The checks `DiskStore` makes before it writes anything, for a run to make at start: writable,
     with room (counting what a killed store left) and, with `in_use`, not held by another process's
-    store (for this process's own rank only: a peer's store of the same run may be open already)."""
+    store (for this process's own rank only: a peer's store of the same run may be open already).
+    `role`: whose store it is, for the errors (the optimizer's by default)."""
     folder = Path(folder) / f"rank{rank}"
     if in_use:
-        _check_not_in_use(folder)
-    _check_writable(folder, needed - _leftover_bytes(folder), create=False)
+        _check_not_in_use(folder, role)
+    _check_writable(folder, needed - _leftover_bytes(folder), role, create=False)
 
 
-def _check_writable(folder: Path, needed: int, create: bool = True) -> None:
+def _check_writable(folder: Path, needed: int, role: StoreRole = OPTIMIZER, create: bool = True) -> None:
     existing = existing_parent(folder)
     free = free_bytes(existing)
     if free < needed:
         raise OffloadStoreError(
-            f"the disk store needs {needed:,} bytes in {str(folder)!r} but only {free:,} are free; free some space "
-            "or point nvme_path to a larger disk"
+            f"the {role.name} needs {needed:,} bytes in {str(folder)!r} but only {free:,} are free: its {role.what} "
+            f"do not fit; free some space or point {role.setting} to a larger disk"
         )
     if not create:
         if not existing.is_dir():
             raise OffloadStoreError(
-                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not a folder; set "
-                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+                f"cannot create the {role.name} folder {str(folder)!r}: {str(existing)!r} is not a folder; set "
+                f"{role.key} to a writable folder"
             )
         if not is_writable(existing):
             raise OffloadStoreError(
-                f"cannot create the disk store folder {str(folder)!r}: {str(existing)!r} is not writable; set "
-                "zero_optimization.offload_optimizer.nvme_path to a writable folder"
+                f"cannot create the {role.name} folder {str(folder)!r}: {str(existing)!r} is not writable; set "
+                f"{role.key} to a writable folder"
             )
         return
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OffloadStoreError(
-            f"cannot create the disk store folder {str(folder)!r}: {e.strerror or e}; set "
-            "zero_optimization.offload_optimizer.nvme_path to a writable folder"
-        ) from None
+    _make_folder(folder, role)
     if not is_writable(folder):
         raise OffloadStoreError(
-            f"the disk store folder {str(folder)!r} is not writable; set zero_optimization.offload_optimizer.nvme_path "
-            "to a writable folder"
+            f"the {role.name} folder {str(folder)!r} is not writable; set {role.key} to a writable folder"
         )

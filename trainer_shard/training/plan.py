@@ -1,7 +1,7 @@
 """The ZeRO stage and offload of a run, and the room it needs, decided before anything is built.
 
     stage, spec = plan(args, config)                  # --sharded_ddp and the --offload config
-    stage, spec = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
+    stage, spec, params = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
     states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
     params = param_offload_spec(config)               # stage 3: offload_param's ParamOffloadSpec, or None
     needed = param_store_bytes(params, model, world_size, args, config)  # its disk files, this rank
@@ -10,7 +10,8 @@
 
 stage: 1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process), or
 None without sharding; spec: the `OffloadSpec` of the optimizer's store, or None; params: the
-`ParamOffloadSpec` of ZeRO-3's parameter store (`offload_param`, from the config only), or None.
+`ParamOffloadSpec` of ZeRO-3's parameter store (the config's `offload_param`, or what `--sharded_ddp
+auto` chose: the planner's `disk_params`), or None.
 """
 
 import os
@@ -27,7 +28,7 @@ from ..disk import free_bytes, same_disk
 from ..errors import ArgumentError, TrainerShardError
 from ..offload import OffloadSpec
 from ..offload.engine import per_element_state
-from ..offload.param_store import ParamOffloadSpec
+from ..offload.param_store import PARAMS, ParamOffloadSpec
 from ..offload.store import OffloadStoreError, check_disk_store
 
 ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for size estimates
@@ -48,7 +49,9 @@ def plan(args, config) -> tuple:
 def choose_strategy(args, model, train_dataset, config) -> tuple:
     """--sharded_ddp auto: rank 0 estimates every strategy (planner.py: exact state bytes, a
     measured activation probe) and picks the least costly one that fits the memory per rank
-    (the config's max_memory, else what it detects); every rank takes its choice. Collective.
+    (the config's max_memory, else what it detects); every rank takes its choice: (stage, the
+    optimizer's `OffloadSpec` or None, the parameter store's `ParamOffloadSpec` or None). The
+    stores of a disk choice go under `--output_dir`/offload_store. Collective.
 
     The probe takes minutes on a big model: the other ranks wait for its outcome through the
     rendezvous store (`comm.share_from_rank_zero`), as long as the probe may take, not the
@@ -76,9 +79,23 @@ def choose_strategy(args, model, train_dataset, config) -> tuple:
         print(f"--sharded_ddp auto: {why}", flush=True)
     strategy, offload = chosen
     stage = {"ddp": None, "simple": 1, "zero_dp_2": 2, "zero_dp_3": 3}[strategy]
-    spec = {"none": None, "cpu": OffloadSpec("cpu"),
-            "disk": OffloadSpec("nvme", nvme_path=os.path.join(args.output_dir, "offload_store"))}[offload]  # fmt: skip
-    return stage, spec
+    store = os.path.join(args.output_dir, "offload_store")
+    specs = {"none": None, "cpu": OffloadSpec("cpu"), "disk": OffloadSpec("nvme", nvme_path=store)}
+    spec = specs["disk" if offload == planner.PARAM_OFFLOAD else offload]  # disk_params: the optimizer's on disk too
+    params = auto_param_offload(store, model) if offload == planner.PARAM_OFFLOAD else None
+    return stage, spec, params
+
+
+def auto_param_offload(store: str, model) -> ParamOffloadSpec:
+    """The parameter store of the planner's `disk_params` row, in `store`/zero3_params: the row's
+    `buffer_count` and `max_in_cpu` (`planner.AUTO_PARAM_OFFLOAD`); `buffer_size` (here only the
+    largest unit allowed, not an allocation) no smaller than the model, so any of its layers is
+    a unit, as the row assumes."""
+    from .. import planner
+
+    total = sum(p.numel() for p in model.parameters())
+    return ParamOffloadSpec("nvme", nvme_path=store, buffer_size=max(ParamOffloadSpec.buffer_size, total),
+                            **planner.AUTO_PARAM_OFFLOAD)  # fmt: skip
 
 
 def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:
@@ -153,10 +170,7 @@ def _check_param_room(store: Path, rank: int, needed: int, optimizer) -> None:
     """The parameter store's folder (`store`/rank<R>) writable and not in use, with room for `needed`
     bytes, and for the optimizer store's `(folder, bytes)` too when it is on the same disk."""
     folder = store / f"rank{rank}"
-    try:
-        check_disk_store(store, rank, 0, in_use=True)
-    except OffloadStoreError as e:  # its words name the optimizer's store: say which store it is
-        raise OffloadStoreError(_as_param_store(str(e))) from None
+    check_disk_store(store, rank, 0, in_use=True, role=PARAMS)
     shared = optimizer is not None and same_disk(folder, optimizer[0])
     total, free = needed + (optimizer[1] if shared else 0), free_bytes(folder)
     if free >= total:
@@ -170,15 +184,6 @@ def _check_param_room(store: Path, rank: int, needed: int, optimizer) -> None:
         "some space, or point zero_optimization.offload_param.nvme_path (and offload_optimizer.nvme_path) to a larger "
         "disk, or keep more parameter elements in RAM (offload_param.max_in_cpu)"
     )
-
-
-def _as_param_store(message: str) -> str:
-    """A disk store error (offload/store.py), worded for the optimizer's store, about the parameter store."""
-    for old, new in (("offload_optimizer.nvme_path", "offload_param.nvme_path"),
-                     ("master weights and optimizer state", "parameter and gradient shards"),
-                     ("the disk store", "the parameter store")):  # fmt: skip
-        message = message.replace(old, new)
-    return message
 
 
 def checkpoint_bytes(model, sharded: bool, states, with_optimizer: bool = True) -> int:
