@@ -133,7 +133,7 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         after = stats(stores)
         io.append({k: after[k] - before[k] for k in after})
         print(f"step {step}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)

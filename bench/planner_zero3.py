@@ -15,9 +15,9 @@ the first 3 or 4 steps: the rows give VmHWM after each step):
   on `shard_parameters()`, `clip_grad_norm_(1.0)`: the plain loop of scripts/zero3_loop.py (the
   Trainer's zero_dp_3 was not wired yet);
 - zero_dp_2: `ShardedOptimizer(stage=2)`, fused AdamW, `clip_grad_norm(1.0)`, a reference for
-  the method: this row was checked through the Trainer by tests/test_planner.py.
+  the method: this row is checked through the Trainer by bench/planner_trainer.py.
 
-Measured per rank: the peak RSS of the whole process (ru_maxrss, as tests/test_planner.py's Trainer
+Measured per rank: the peak RSS of the whole process (ru_maxrss, as bench/planner_trainer.py's Trainer
 runs), and net of what the rank held before building the model (VmRSS then), compared with the
 estimate net of the probe's runtime; the larger of the two ranks. Writes
 bench/results/planner_zero3.md and .json.

@@ -69,6 +69,36 @@ def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300, env: 
     )
 
 
+def shared_run(name: str, tmp_path_factory, inputs, make) -> Path:
+    """The output folder of a reference run that several test files compare against (plain DDP,
+    the plain Trainer on one process), made once per `make test` rather than once per file:
+    under xdist the workers share the session's base temp folder, and a file lock makes the
+    second worker wait for the first's run instead of repeating it. `make(out)` runs it into
+    `out`; the key holds a digest of `inputs` (the tiny model and data folders, built by each
+    worker with fixed seeds), so a run is only ever reused for the same inputs. Read-only for
+    the tests. A run that failed is not recorded: the next caller makes it again."""
+    import hashlib
+    import shutil
+
+    from filelock import FileLock
+
+    digest = hashlib.sha256()
+    for folder in inputs:
+        for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+            digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_runs"
+    root.mkdir(exist_ok=True)
+    folder = root / f"{name}-{digest.hexdigest()[:16]}"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "done").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder / "out")
+            (folder / "done").touch()
+    return folder / "out"
+
+
 def free_port() -> int:
     import socket
 
@@ -85,13 +115,15 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 # handed out in collection order, so a long file collected last would leave one worker running
 # alone at the end. The order follows the slowest tests `--durations` reported in a full run (the
 # ZeRO-3 Trainer runs, the longest file since issue 19; the README's commands, whose sandbox is a
-# 2-rank demo run; the planner's measured peaks; then the multi-process checkpoint, launcher and
+# 2-rank demo run; the planner's t5-small `--sharded_ddp auto` run (its measured-peaks test is
+# bench/planner_trainer.py now); then the multi-process checkpoint, launcher and
 # fault files). Without the ZeRO-3 files here, a fresh-clone run took 15 min 18 s.
 HEAVY_FIRST = ["test_zero3_trainer.py", "test_readme_commands.py", "test_planner.py", "test_checkpoint_resume.py",
                "test_rank_faults.py", "test_sharded_trainer.py", "test_end_to_end.py", "test_inference.py",
                "test_launchers.py", "test_offload_trainer.py", "test_multinode_checkpoint.py", "test_interrupt.py",
-               "test_disk_faults.py", "test_zero3_optimizer.py", "test_deepspeed_configs.py",
-               "test_optimizer_shards.py", "test_zero3_core.py"]  # fmt: skip
+               "test_disk_faults.py", "test_zero3_optimizer.py", "test_zero3_offload_param.py",
+               "test_zero3_offload_param_trainer.py", "test_deepspeed_configs.py", "test_optimizer_shards.py",
+               "test_zero3_core.py", "test_planner_offload_param.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

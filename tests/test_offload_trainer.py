@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, assert_ok, run_script
-from test_sharded_trainer import DUMP, ddp_run, log, train_flags  # noqa: F401 (ddp_run is a fixture)
+from test_sharded_trainer import DUMP, ddp_run, log, plain_run, train_flags  # noqa: F401 (ddp_run, plain_run: fixtures)
 
 pytestmark = [pytest.mark.slow]
 
@@ -18,13 +18,6 @@ def offload_config(tmp_path, device, **zero):
     path = tmp_path / f"{device}.json"
     path.write_text(json.dumps(data))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def plain_run(tiny_model, tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("plain") / "out"
-    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--use_cpu")))
-    return out
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])

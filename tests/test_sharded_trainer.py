@@ -1,12 +1,13 @@
 """--sharded_ddp through finetune_trainer.py: the same training as plain DDP, on 1 and 2 ranks."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
+from conftest import ROOT, TINY_FLAGS, assert_ok, run_script, shared_run
 
 DUMP = ROOT / "tests" / "helpers" / "run_and_dump.py"
 
@@ -24,18 +25,45 @@ def log(out):
     return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
 
 
+# The references: plain DDP on 2 ranks, the plain Trainer on 1 process. Each is made once per test
+# session (`shared_run`) and compared against here, in test_zero3_trainer.py and in
+# test_offload_trainer.py, which import these fixtures.
 @pytest.fixture(scope="module")
 def ddp_run(tiny_model, tiny_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp") / "out"
-    assert_ok(run_script(train_flags(tiny_model, tiny_data, out), nproc=2, script=DUMP))
+    def make(out):
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out), nproc=2, script=DUMP))
+
+    return shared_run("ddp", tmp_path_factory, (tiny_model, tiny_data), make)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tiny_model, tiny_data, tmp_path_factory):
+    def make(out):
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--use_cpu")))
+
+    return shared_run("plain", tmp_path_factory, (tiny_model, tiny_data), make)
+
+
+SAVE_AT_3 = ["--save_strategy", "steps", "--save_steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def zero2_run(tiny_model, tiny_data, tmp_path_factory):
+    """zero_dp_2 on 2 ranks with a checkpoint at step 3: matched against DDP
+    (test_two_ranks_match_ddp) and resumed from (test_sharded_checkpoint_resumes_exactly)."""
+    out = tmp_path_factory.mktemp("zero2") / "out"
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_2", *SAVE_AT_3)
+    assert_ok(run_script(flags, nproc=2, script=DUMP))
     return out
 
 
 @pytest.mark.parametrize("option", ["simple", "zero_dp_2"])
-def test_two_ranks_match_ddp(ddp_run, tiny_model, tiny_data, tmp_path, option):
-    out = tmp_path / "out"
-    proc = run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option), nproc=2, script=DUMP)
-    assert_ok(proc)
+def test_two_ranks_match_ddp(ddp_run, tiny_model, tiny_data, tmp_path, request, option):
+    if option == "zero_dp_2":  # the run that also saves a checkpoint: saving changes nothing trained
+        out = request.getfixturevalue("zero2_run")
+    else:
+        out = tmp_path / "out"
+        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--sharded_ddp", option), nproc=2, script=DUMP))
     reference, rank0, rank1 = (torch.load(d / f"rank{r}.pt") for d, r in ((ddp_run, 0), (out, 0), (out, 1)))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0), "ranks diverged"
     worst = max((rank0[k] - reference[k]).abs().max().item() for k in reference)
@@ -44,14 +72,11 @@ def test_two_ranks_match_ddp(ddp_run, tiny_model, tiny_data, tmp_path, option):
         assert loss == pytest.approx(ref_loss, abs=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
 
 
-def test_one_rank_zero_dp_2_matches_plain(tiny_model, tiny_data, tmp_path):
-    outs = {}
-    for option in (None, "zero_dp_2"):
-        out = tmp_path / str(option)
-        extra = ["--use_cpu", *(["--sharded_ddp", option] if option else [])]
-        assert_ok(run_script(train_flags(tiny_model, tiny_data, out, *extra)))
-        outs[option] = load_file(out / "model.safetensors")
-    worst = max((outs[None][k] - outs["zero_dp_2"][k]).abs().max().item() for k in outs[None])
+def test_one_rank_zero_dp_2_matches_plain(plain_run, tiny_model, tiny_data, tmp_path):
+    out = tmp_path / "zero_dp_2"
+    assert_ok(run_script(train_flags(tiny_model, tiny_data, out, "--use_cpu", "--sharded_ddp", "zero_dp_2")))
+    plain, ours = load_file(plain_run / "model.safetensors"), load_file(out / "model.safetensors")
+    worst = max((plain[k] - ours[k]).abs().max().item() for k in plain)
     assert worst < 1e-6
 
 
@@ -69,16 +94,17 @@ def test_bf16_sharded_trains_and_generates_in_16_bit(tiny_model, tiny_data, tmp_
     assert losses[-1] < losses[0]
 
 
-def test_sharded_checkpoint_resumes_exactly(tiny_model, tiny_data, tmp_path):
-    out = tmp_path / "out"
-    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_2", "--save_strategy", "steps",
-                        "--save_steps", "3")  # fmt: skip
-    assert_ok(run_script(flags, nproc=2))
-    straight = load_file(out / "model.safetensors")
-    shards = out / "checkpoint-3" / "optimizer_shards"  # each rank's shard, no full state on rank 0
+def test_sharded_checkpoint_resumes_exactly(zero2_run, tiny_model, tiny_data, tmp_path):
+    """The straight run is `zero2_run`; resumed from its checkpoint-3, in a copy of it."""
+    straight = load_file(zero2_run / "model.safetensors")
+    shards = zero2_run / "checkpoint-3" / "optimizer_shards"  # each rank's shard, no full state on rank 0
     assert sorted(p.name for p in shards.iterdir()) == ["index.json", "rank-00000-of-00002.safetensors",
                                                         "rank-00001-of-00002.safetensors"]  # fmt: skip
-    assert not (out / "checkpoint-3" / "optimizer.pt").exists()
+    assert not (zero2_run / "checkpoint-3" / "optimizer.pt").exists()
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(zero2_run / "checkpoint-3", out / "checkpoint-3")
+    flags = train_flags(tiny_model, tiny_data, out, "--sharded_ddp", "zero_dp_2", *SAVE_AT_3)
     assert_ok(run_script([*flags, "--resume_from_checkpoint", out / "checkpoint-3"], nproc=2))
     resumed = load_file(out / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

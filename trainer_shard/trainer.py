@@ -219,8 +219,8 @@ class ShardedTrainerMixin:
         weights are never whole in memory) is sharded now, its weights read from its checkpoint a
         tensor at a time straight into the parameter store, so that evaluation before training
         runs it too; `create_optimizer` then finds it sharded."""
-        folder = getattr(model, META_WEIGHTS, None)
-        if self.sharding_stage != 3 or folder is None:
+        folder = getattr(model, META_WEIGHTS)
+        if self.sharding_stage != 3:
             raise ArgumentError("the model is on the meta device (no weights): that is for ZeRO-3 with parameter "
                                 "offload (--sharded_ddp \"zero_dp_3 offload\" with an --offload config whose "
                                 "offload_param names a device); load the model with from_pretrained otherwise")  # fmt: skip
@@ -381,7 +381,9 @@ class ShardedTrainerMixin:
 
 
 def _on_meta(model) -> bool:
-    return any(p.device.type == "meta" for p in model.parameters())
+    """Built on the meta device by `loading.load_meta`, not sharded yet (a device-mapped model's
+    offloaded weights are on meta too, under accelerate's hooks: not this)."""
+    return getattr(model, META_WEIGHTS, None) is not None and any(p.device.type == "meta" for p in model.parameters())
 
 
 def _force_prepare_model(accelerator, **forced) -> None:

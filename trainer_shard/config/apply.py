@@ -7,8 +7,8 @@
     scheduler = make_scheduler(config, optimizer, num_training_steps, base_lr, args)  # `scheduler`, or None
     scaler = DynamicLossScaler(**loss_scaler_kwargs(config))  # `fp16` loss-scale settings
     sizes = hidden_size_fills(config, model)             # "auto" sizes from the model's hidden size
-    kwargs = zero3_kwargs(config, model)                 # stage 3: shard_model's persistence_threshold, prefetch,
-                                                         # param_offload (ParamOffloadSpec's arguments, or None)
+    kwargs = zero3_kwargs(config, model)                 # stage 3: shard_model's persistence_threshold, prefetch
+    params = param_offload_kwargs(config)                # stage 3: ParamOffloadSpec's arguments, or None
 
 The TrainingArguments side (precision flags, DDP bucket size) is applied when the arguments
 are checked (`args._offload_problems`); everything else is read here for `training/`.
@@ -181,10 +181,10 @@ def loss_scaler_kwargs(config) -> dict:
 
 def zero3_kwargs(config, model) -> dict:
     """`sharding.zero3.shard_model`'s keyword arguments that the ZeRO-3 keys describe:
-    {"persistence_threshold": int, "prefetch": int, "param_offload": dict | None}, DeepSpeed's
-    defaults without a config. `param_offload` is `param_offload_kwargs(config)`: plain data, the
-    arguments of `offload.param_store.ParamOffloadSpec` (config/ imports nothing from offload/;
-    training/build.py builds the spec).
+    {"persistence_threshold": int, "prefetch": int}, DeepSpeed's defaults without a config. (Where
+    the parameters live is `param_offload_kwargs(config)`: plain data, the arguments of
+    `offload.param_store.ParamOffloadSpec`, which training/plan.py builds; config/ imports nothing
+    from offload/.)
 
     - persistence_threshold: `stage3_param_persistence_threshold` (parameters of at most this many
       elements stay whole, DeepSpeed's rule); default 100,000; "auto": 10 x hidden size.
@@ -205,8 +205,7 @@ def zero3_kwargs(config, model) -> dict:
     cap = _stage3_value(zero, "stage3_model_persistence_threshold", None, fills)
     if cap is not None:
         _check_model_persistence(model, zero, persistence, cap)
-    return {"persistence_threshold": persistence, "prefetch": min(prefetch, max_live),
-            "param_offload": param_offload_kwargs(config)}
+    return {"persistence_threshold": persistence, "prefetch": min(prefetch, max_live)}
 
 
 def param_offload_kwargs(config) -> dict | None:
