@@ -158,8 +158,9 @@ class FlatGroup:
         self.stale = {bucket.index for bucket in self.layout.buckets}
 
     @torch.no_grad()
-    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
-        """The bucket's gradient slice += alpha * values (= alpha * values when it is stale)."""
+    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0, owned: bool = False) -> None:
+        """The bucket's gradient slice += alpha * values (= alpha * values when it is stale).
+        `owned`: the caller lets go of `values` (a ZeRO-3 flat may keep it rather than copy it)."""
         target = self.shard_of(self.grad, bucket)
         if bucket.index in self.stale:
             target.copy_(values)

@@ -191,7 +191,10 @@ class GradReducer:
             state.zero_missing()
         while len(self.in_flight) >= self.max_in_flight:
             self._complete_oldest()
-        out = torch.empty(state.bucket.shard_numel, dtype=state.dtype, device=state.flat.buffer.device)
+        if self.world_size == 1:  # nothing to reduce: this rank's slice is the bucket itself (no copy)
+            out = state.buffer[: state.bucket.shard_numel]
+        else:
+            out = torch.empty(state.bucket.shard_numel, dtype=state.dtype, device=state.flat.buffer.device)
         work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
         self.in_flight.append((state, out, work))
 
@@ -199,7 +202,7 @@ class GradReducer:
         state, out, work = self.in_flight.pop(0)
         with record_function("trainer_shard::reduce_scatter_wait"):
             work.wait()
-        state.flat.add_to_grad(state.bucket, out)  # already the mean: see [Note: 16-bit reduction]
+        state.flat.add_to_grad(state.bucket, out, owned=True)  # already the mean: see [Note: 16-bit reduction]
         self._count(state.buffer, -1)
         state.buffer = None
 

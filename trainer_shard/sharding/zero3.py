@@ -240,10 +240,12 @@ class FlatParams:
         return self.shard is None
 
     @torch.no_grad()
-    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0) -> None:
-        """The gradient shard += alpha * values (= when stale: after `zero_grad`, or never written)."""
+    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0, owned: bool = False) -> None:
+        """The gradient shard += alpha * values (= when stale: after `zero_grad`, or never written).
+        `owned`: `values` is the caller's no longer (the reducer's output): on disk it is written
+        as it is, with no copy."""
         if self.grad_stored:
-            self._add_to_stored_grad(values, alpha)
+            self._add_to_stored_grad(values, alpha, owned)
             return
         if self.grad.device.type == "meta":
             raise ShardingError("offload_param: the gradients have nowhere to go before the optimizer is built "
@@ -262,19 +264,22 @@ class FlatParams:
             target.add_(values, alpha=alpha)
             self.accumulated = True
 
-    def _add_to_stored_grad(self, values: torch.Tensor, alpha: float) -> None:
+    def _add_to_stored_grad(self, values: torch.Tensor, alpha: float, owned: bool) -> None:
         """[Note: parameter offload] The reduced slice goes to the store as backward makes it, its
         squared norm kept on the way (the sum's, when micro-batches accumulate)."""
         self._wait_grad_write()
-        total = torch.empty(values.numel(), dtype=self.grad.dtype)
-        if self.stale:  # as `add_to_grad` does in memory, operation for operation
-            total.copy_(values)
-            if alpha != 1.0:
-                total.mul_(alpha)
-            self.stale = set()
+        if self.stale and owned and alpha == 1.0 and values.dtype == self.grad.dtype and values.is_contiguous():
+            total = values  # written as it is (t5-11b: a unit's gradient is 0.5 GB; no second copy)
         else:
-            self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
-            self.accumulated = True
+            total = torch.empty(values.numel(), dtype=self.grad.dtype)
+            if self.stale:  # as `add_to_grad` does in memory, operation for operation
+                total.copy_(values)
+                if alpha != 1.0:
+                    total.mul_(alpha)
+            else:
+                self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
+                self.accumulated = True
+        self.stale = set()
         self.grad_sq = _square_sum(total)
         self._grad_write = self.store.write_async(self.grad_name, 0, total)  # backward goes on meanwhile
 
@@ -577,7 +582,9 @@ class ShardedModel:
         return ParamStore(spec, sizes, rank=self.rank)
 
     def _install_hooks(self, unit_modules: list) -> None:
-        self.reducer = GradReducer(self.group, reduce_dtype=self.reduce_dtype)
+        # parameters offloaded: one unit's reduction in flight (t5-11b's are 0.5 GB each)
+        self.reducer = GradReducer(self.group, reduce_dtype=self.reduce_dtype,
+                                   max_in_flight=1 if self.param_offload is not None else 2)  # fmt: skip
         # backward meets the inner units in reverse module order, the root's tied embedding last
         inner = [u for u in self.units if u is not self.root]
         for unit in reversed(inner) if self.root is None else [*reversed(inner), self.root]:
