@@ -11,7 +11,7 @@ import transformers
 
 from trainer_shard import ArgumentError, ShardedSeq2SeqTrainingArguments
 from trainer_shard.config import load_config
-from trainer_shard.config.apply import zero3_kwargs, zero3_settings
+from trainer_shard.config.apply import param_offload_kwargs, zero3_kwargs, zero3_settings
 from trainer_shard.config.schema import ROLES, STAGE3_ALIASES, TOP
 from trainer_shard.errors import ConfigError
 
@@ -139,7 +139,7 @@ def test_parameter_offload_takes_effect_at_stage_3_only(tmp_path):
     config = load_config(CONFIGS / "zero3_offload_param.json", world_size=2)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=8, d_ff=16, num_layers=1, d_kv=4,
                                                                           num_heads=2, vocab_size=32))  # fmt: skip
-    param = zero3_kwargs(config, model)["param_offload"]
+    param = param_offload_kwargs(config)
     assert param == {"device": "nvme", "nvme_path": "offload_store", "buffer_count": 5, "buffer_size": 100_000_000,
                      "max_in_cpu": 0, "pin_memory": False}  # fmt: skip
     lines = effective_settings(config, 2)
@@ -148,9 +148,9 @@ def test_parameter_offload_takes_effect_at_stage_3_only(tmp_path):
            "units' recorded order" in lines, lines
     data = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                   "offload_param": {"device": "auto", "buffer_count": "auto", "pin_memory": "auto"}}}  # fmt: skip
-    assert zero3_kwargs(load_config(write(tmp_path, data)), model)["param_offload"] is None  # "auto": DeepSpeed's none
+    assert param_offload_kwargs(load_config(write(tmp_path, data))) is None  # "auto": DeepSpeed's none
     data["zero_optimization"]["offload_param"]["device"] = "cpu"
-    assert zero3_kwargs(load_config(write(tmp_path, data)), model)["param_offload"] == {
+    assert param_offload_kwargs(load_config(write(tmp_path, data))) == {
         "device": "cpu", "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
         "pin_memory": False}  # fmt: skip
     assert "parameter offload: none (the parameter shards stay in this process's memory between uses)" in \
@@ -295,15 +295,15 @@ def kwargs_of(tmp_path, zero, model=None):
     ],
 )  # fmt: skip
 def test_zero3_kwargs(tmp_path, zero, expected):
-    assert kwargs_of(tmp_path, zero) == {**expected, "param_offload": None}  # no offload_param: in memory
-    assert all(type(v) is int for k, v in kwargs_of(tmp_path, zero).items() if k != "param_offload")
+    assert kwargs_of(tmp_path, zero) == expected
+    assert all(type(v) is int for v in kwargs_of(tmp_path, zero).values())
 
 
 def test_zero3_kwargs_defaults_are_the_engines_and_deepspeeds():
     from trainer_shard.sharding import zero3
 
-    assert zero3_kwargs(None, None) == {"persistence_threshold": zero3.PERSISTENCE_THRESHOLD, "prefetch": 50_000_000,
-                                        "param_offload": None}  # fmt: skip
+    assert zero3_kwargs(None, None) == {"persistence_threshold": zero3.PERSISTENCE_THRESHOLD, "prefetch": 50_000_000}
+    assert param_offload_kwargs(None) is None
     assert zero3.PERSISTENCE_THRESHOLD == 100_000
 
 

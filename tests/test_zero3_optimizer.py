@@ -87,7 +87,9 @@ def rss() -> int:
     raise AssertionError("no VmRSS")
 
 
-def bytes_freed_by_sharding(rank, world_size):
+def big_t5():
+    """128 MiB of fp32 parameters (a T5 of d_model 512, 4+4 layers), built: (model, its bytes),
+    the freed heap handed back to the OS first, so RSS measured next starts from it."""
     from transformers import T5Config, T5ForConditionalGeneration
 
     from trainer_shard.memory import release_freed_memory
@@ -96,8 +98,14 @@ def bytes_freed_by_sharding(rank, world_size):
                       decoder_start_token_id=0)  # fmt: skip
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config)
-    total = sum(p.numel() * 4 for p in model.parameters())
     release_freed_memory()
+    return model, sum(p.numel() * 4 for p in model.parameters())
+
+
+def bytes_freed_by_sharding(rank, world_size):
+    from trainer_shard.memory import release_freed_memory
+
+    model, total = big_t5()
     before = rss()
     sharded = shard_model(model, units=[T5Block])
     release_freed_memory()
