@@ -143,3 +143,24 @@ def test_meta_model_without_weights_is_refused():
         shard_model(model, units=[T5Block])
     with pytest.raises(ShardingError, match="not there, e.g."):
         shard_model(model, units=[T5Block], weights={"shared.weight": torch.zeros(64, 32)})
+
+
+def test_eval_and_generate_stream_from_disk(tmp_path):
+    """Evaluation (no_grad) and generate() with the parameters on disk give what the unsharded
+    model gives, and leave nothing gathered."""
+    from test_zero3_core import make_t5
+    from trainer_shard.sharding import shard_model
+
+    want = make_t5().eval()
+    model = make_t5().eval()
+    spec = ParamOffloadSpec("nvme", nvme_path=str(tmp_path / "params"), max_in_cpu=0, buffer_count=2)
+    sharded = shard_model(model, units=[T5Block], persistence_threshold=0, param_offload=spec)
+    ids = torch.randint(2, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, labels=ids).logits, want(input_ids=ids, labels=ids).logits)
+        for _ in range(2):  # the second time, read ahead in the recorded order
+            got = model.generate(input_ids=ids, max_new_tokens=6, num_beams=2, do_sample=False)
+            assert torch.equal(got, want.generate(input_ids=ids, max_new_tokens=6, num_beams=2, do_sample=False))
+    held = sharded.held_parameter_bytes()
+    assert held["gathered"] == held["shards"] == 0 and sharded.store.disk.stats["read_bytes"] > 0
+    sharded.close()
