@@ -122,8 +122,8 @@ HEAVY_FIRST = ["test_zero3_trainer.py", "test_readme_commands.py", "test_planner
                "test_rank_faults.py", "test_sharded_trainer.py", "test_end_to_end.py", "test_inference.py",
                "test_launchers.py", "test_offload_trainer.py", "test_multinode_checkpoint.py", "test_interrupt.py",
                "test_disk_faults.py", "test_zero3_optimizer.py", "test_zero3_offload_param.py",
-               "test_zero3_offload_param_trainer.py", "test_deepspeed_configs.py", "test_optimizer_shards.py",
-               "test_zero3_core.py", "test_planner_offload_param.py"]  # fmt: skip
+               "test_zero3_offload_param_trainer.py", "test_zero3_offload_param_eval.py", "test_deepspeed_configs.py",
+               "test_optimizer_shards.py", "test_zero3_core.py", "test_planner_offload_param.py"]  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):

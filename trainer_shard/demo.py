@@ -314,7 +314,7 @@ def write_random_t5(config, out_dir, dtype, seed: int = 0, max_shard_size: int =
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_sharded(tensors, out, max_shard_size)
-    config.torch_dtype = dtype
+    config.dtype = dtype
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     return out

@@ -1,0 +1,71 @@
+"""Evaluation and prediction with generate() through the Trainer, with ZeRO-3's parameters on disk
+(`--sharded_ddp "zero_dp_3 offload"`, offload_param and offload_optimizer on nvme, the model built
+on the meta device): on 2 ranks, evaluating a trained model without training it further, the
+same eval loss, metrics and generations as the unsharded Trainer gave for that model on one
+process. (The engine alone, on one process:
+tests/test_zero3_offload_param.py::test_eval_and_generate_stream_from_disk.)"""
+
+import json
+
+import pytest
+
+from conftest import ROOT, TINY_FLAGS, assert_ok, run_script
+from test_zero3_offload_param_trainer import files_under, offload_config
+from trainer_shard.offload.param_store import PARAM_FOLDER
+
+WATCH = ROOT / "tests" / "helpers" / "watch_param_store.py"
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+# Batches of 2 on each rank: padded inputs in generate(), beams of different lengths on the two
+# ranks (synced_gpus); 10 test examples leave rank 1 a batch repeated from the start, which the
+# gather drops. The plain run's batches of 2 are the same batches, so the losses match exactly.
+EVAL = ["--do_eval", "--do_predict", "--predict_with_generate", "--eval_beams", "2", "--n_val", "8", "--n_test", "10",
+        "--per_device_eval_batch_size", "2"]  # fmt: skip
+# what must match; the runtimes and the sample rates need not
+SAME = ("val_loss", "val_bleu", "val_chrf", "val_gen_len", "val_n_objs", "test_loss", "test_bleu", "test_chrf",
+        "test_gen_len", "test_n_objs")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model, tiny_data, tmp_path_factory):
+    """The plain Trainer on one process: 300 short steps (3 s; the untrained model generates the
+    same token 31 times over, which would compare nothing), saved, then evaluated and predicting."""
+    out = tmp_path_factory.mktemp("plain") / "out"
+    flags = ["--model_name_or_path", tiny_model, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS,
+             "--use_cpu", "--do_train", "--max_steps", "300", "--per_device_train_batch_size", "16",
+             "--logging_steps", "50", *EVAL]  # fmt: skip
+    assert_ok(run_script(flags))
+    return out
+
+
+def test_eval_and_predict_with_generate_match_the_plain_trainer(plain, tiny_data, tmp_path):
+    """The trained model, evaluated by 2 ranks with every parameter in the stores' files (none in
+    RAM, none whole): val and test loss, BLEU, chrF and generation lengths as the plain Trainer's,
+    test_generations.txt line for line; both loops read their parameters from the files, left
+    nothing gathered, and the stores' folders are gone once the run ends."""
+    out = tmp_path / "out"
+    flags = ["--model_name_or_path", plain, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS, *EVAL,
+             "--sharded_ddp", "zero_dp_3 offload", "--offload", offload_config(tmp_path),
+             "--log_level", "info"]  # fmt: skip
+    proc = run_script(flags, nproc=2, script=WATCH)
+    assert_ok(proc)
+    assert "built on the meta device; its weights were read from" in proc.stdout + proc.stderr  # never whole
+
+    want, got = (json.loads((d / "all_results.json").read_text()) for d in (plain, out))
+    assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}
+    generations, reference = ((d / "test_generations.txt").read_text(encoding="utf-8").splitlines()
+                              for d in (out, plain))  # fmt: skip
+    assert len(generations) == 10 and generations == reference
+    assert len(set(generations)) > 5, generations  # a model that translates, not one repeating a token
+
+    for rank in (0, 1):
+        seen = json.loads((out / f"store{rank}.json").read_text())
+        assert seen.keys() == {"val", "test"}
+        for split, loop in seen.items():
+            assert loop["folder"] == str(tmp_path / "store" / PARAM_FOLDER / f"rank{rank}")
+            assert "0.param.f32" in loop["files"], (rank, split, loop["files"])
+            held = loop["held"]
+            assert held["on_disk"] > 0 and held["shards"] == held["persistent"] == held["gathered"] == 0, held
+            assert loop["read_bytes"] >= held["on_disk"], (rank, split, loop)  # each unit read at least once
+    assert files_under(tmp_path / "store") == [] and not (tmp_path / "store").exists()
