@@ -2,8 +2,8 @@
 
     python bench/_infinity_worker.py ROW ARCH --steps N --work DIR [--checkpoint DIR]
 
-Rows (one process, a plain training loop, no Trainer; random tokens, fused AdamW lr 1e-4 weight
-decay 0.01, gradient clipping at 1.0):
+Rows (one process, a plain training loop, no Trainer; one batch of random tokens every step, so
+the loss falls as the model fits it; fused AdamW lr 1e-4 weight decay 0.01, gradient clipping at 1.0):
 - plain_fp32: the model in fp32, torch.optim.AdamW(fused=True) on the whole model;
 - zero2_disk: the model in bf16, ShardedOptimizer(stage=2) with fp32 master weights and moments
   on disk (offload_optimizer nvme): today's best before parameter offload;
@@ -81,7 +81,7 @@ def main() -> None:
     config = config_of(args.arch)
     rows, tokens = BATCH[args.arch]
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(2, 32128, (rows, tokens), generator=generator) for _ in range(4)]
+    batches = [torch.randint(2, 32128, (rows, tokens), generator=generator)]
     hyper = dict(lr=1e-4, weight_decay=0.01)
     began = time.perf_counter()
     stores, sharded, opt = [], None, None
