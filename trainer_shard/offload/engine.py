@@ -23,6 +23,11 @@ One step of a flat group's shard, chunk by chunk:
   gradient shard in its own precision. The fused kernel takes their product as its `grad_scale`
   (it divides each gradient by it as it reads it), so clipping costs no pass over the shard of
   its own; other optimizers get them multiplied into each fp32 chunk, in order.
+- One pass (`cpu_adam.py`): with Adam/AdamW, a compiled kernel reads each chunk's gradient in its
+  own dtype and writes the updated weights straight into the parameters (or the staging buffer
+  they go out of), where the path above makes three passes (upcast, torch's kernel, cast); with
+  the state, the gradients and the parameters all in RAM, the whole shard in one call. The same
+  bits as the path above, which runs where the kernel cannot be built.
 - Disk store: a reader thread loads chunk i+1 and a writer thread writes chunk i-1 back while
   chunk i is stepped; `buffer_count` sets of chunk buffers are all the RAM it costs.
 - CUDA: gradients come to pinned staging buffers and updated parameters go back on a side
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..constants import CHUNK_NUMEL
+from . import cpu_adam
 from .store import CpuStore, DiskStore, bytes_needed
 
 logger = logging.getLogger(__name__)
@@ -116,12 +122,48 @@ def _grad_scale(factors) -> torch.Tensor | None:
     return torch.tensor(1.0 / product, dtype=torch.float32)
 
 
+_ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _one_pass_ok(flat) -> bool:
+    """Whether `cpu_adam`'s one-pass kernel can step `flat`'s shard (the kernel is built, dtypes it takes)."""
+    return flat.grad.dtype in _ONE_PASS_DTYPES and flat.dtype in _ONE_PASS_DTYPES and cpu_adam.available()
+
+
+def _param_views(flat, start: int, numel: int) -> list | None:
+    """`flat`'s parameters for shard elements [start, start + numel) as (offset, contiguous CPU
+    tensor) pieces to write updated weights straight into; None where they are not plain CPU
+    memory (on disk, or a flat of another kind): the caller stages them and calls `write_shard`."""
+    if flat.params_stored:
+        return None
+    if hasattr(flat, "_buffer_pieces"):  # FlatGroup: this rank's slices of the flat buffer, bucket by bucket
+        pieces = list(flat._buffer_pieces(start, numel))
+    elif getattr(flat, "shard", None) is not None:  # ZeRO-3: the shard itself
+        pieces = [(0, flat.shard[start : start + numel])]
+    else:
+        return None
+    plain = all(t.device.type == "cpu" and t.is_contiguous() for _, t in pieces)
+    return pieces if plain and sum(t.numel() for _, t in pieces) == numel else None
+
+
 def _cpu_defaults(optim_class, hyper: dict) -> dict:
     """`hyper` for CPU fp32 tensors: Adam and AdamW on torch's fused kernel."""
     out = {k: v for k, v in hyper.items() if k != "params"}
     if optim_class.__name__ in _FUSED_ON_CPU:
         out.update(fused=True, foreach=None)
     return out
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How one step of a flat group runs (`OffloadEngine._plan`)."""
+
+    kernel: object  # torch's fused Adam/AdamW kernel, or None: the optimizer's own step, a chunk at a time
+    grad_scale: torch.Tensor | None  # what the kernel divides the gradients by (the factors' product)
+    factors: tuple  # the gradient factors left to multiply into each fp32 chunk
+    fresh: bool  # step 1: the moments start from zero
+    step: torch.Tensor | None  # the step count after this step, for the kernel
+    one_pass: dict | None  # `cpu_adam.step`'s arguments, where the one-pass kernel steps
 
 
 class OffloadEngine:
@@ -193,31 +235,24 @@ class OffloadEngine:
         """One step of flat group `index`'s shard; the updated weights go into `flat`'s parameters."""
         group = self._optim.param_groups[0]
         group.update(_cpu_defaults(self.optim_class, hyper))
-        ranges = self._ranges(index)
         link = self._link(flat)
-        link.begin()
         disk = isinstance(self.store, DiskStore)
+        stored = flat.grad_stored  # ZeRO-3 with parameters on disk: so are the gradients
+        plan = self._plan(index, flat, hyper, factors, link)
+        new_scalars = None if plan.kernel is None else {"step": plan.step}
+        if plan.one_pass and not (disk or link.cuda or stored) and self._step_in_place(index, flat, plan.one_pass):
+            self.scalars[index] = new_scalars
+            return
+        ranges = self._ranges(index)
+        link.begin()
         slots = self.spec.buffer_count
         prefetch = slots > 1  # one buffer set: read, step and write one chunk after the other
-        stored = flat.grad_stored  # ZeRO-3 with parameters on disk: so are the gradients
         if disk:
             self._ensure_chunk_buffers()
             reads = {0: self._io.submit(self._read, index, *ranges[0], 0)}
             writes = {}
         if not stored:
             link.fetch_grad(flat.grad[ranges[0][0] : ranges[0][1]], 0)
-        kernel = _fused_kernel(self.optim_class, hyper)
-        grad_scale = None
-        if kernel is not None:
-            grad_scale = _grad_scale(factors)
-            if grad_scale is not None:
-                factors = ()  # the kernel applies them
-            fresh = self.scalars[index] is None
-            step = torch.zeros((), dtype=torch.float32) if fresh else self.scalars[index]["step"].clone()
-            step += 1  # once per optimizer step, as torch.optim does before its fused call
-            new_scalars = {"step": step}
-        else:
-            new_scalars = None
         for i, (start, end) in enumerate(ranges):
             slot = i % slots
             if disk:
@@ -233,31 +268,100 @@ class OffloadEngine:
                 chunk = {name: self.store.view(self._key(index, name), start, end) for name in self.names}
             if stored:  # read with the state chunk on the disk store's reader thread, else here
                 link.fetch_grad(chunk.pop("grad") if disk else self._read_grad(flat, start, end, slot), slot)
-            grad = link.take_grad(slot, end - start, factors)
+            grad = link.take_raw(slot, end - start) if plan.one_pass else link.take_grad(slot, end - start, plan.factors)
             if not stored and i + 1 < len(ranges):
                 link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], (i + 1) % slots)
-            if kernel is not None:
-                self._fused_chunk(kernel, chunk, grad, step, hyper, fresh, grad_scale)
-            else:
-                new_scalars = self._step_chunk(index, chunk, grad)
-            if disk and flat.params_stored:  # ZeRO-3, parameters on disk: written with the state, off this thread
-                key = (slot, flat.dtype)
-                if key not in self._param_buffers:
-                    self._param_buffers[key] = torch.empty(self.spec.chunk_numel, dtype=flat.dtype)
-                params = self._param_buffers[key][: end - start].copy_(chunk["master"])
+            staged = disk and flat.params_stored  # ZeRO-3, parameters on disk: written with the state, off this thread
+            params = self._param_buffer(slot, flat.dtype, end - start) if staged else None
+            scalars = self._update_chunk(index, flat, link, chunk, grad, (start, end, slot), plan, hyper, params)
+            new_scalars = new_scalars if plan.kernel is not None else scalars
+            if staged:
                 writes[slot] = self._io.submit(self._write, index, start, chunk, flat, params)
-            else:
-                link.put_params(flat, start, chunk["master"], slot)
-                if disk:
-                    writes[slot] = self._io.submit(self._write, index, start, chunk)
-            if disk:
-                if not prefetch:
-                    writes.pop(slot).result()
+            elif disk:
+                writes[slot] = self._io.submit(self._write, index, start, chunk)
+            if disk and not prefetch:
+                writes.pop(slot).result()
         if disk:
             for future in writes.values():
                 future.result()
         link.end()
         self.scalars[index] = new_scalars
+
+    def _plan(self, index: int, flat, hyper: dict, factors, link) -> "_StepPlan":
+        """How this step of flat group `index` runs: which kernel, what it does with `factors`."""
+        kernel = _fused_kernel(self.optim_class, hyper)
+        if kernel is None:
+            return _StepPlan(None, None, tuple(factors), False, None, None)
+        grad_scale = _grad_scale(factors)
+        if grad_scale is not None:
+            factors = ()  # the kernel applies them
+        fresh = self.scalars[index] is None
+        step = torch.zeros((), dtype=torch.float32) if fresh else self.scalars[index]["step"].clone()
+        step += 1  # once per optimizer step, as torch.optim does before its fused call
+        one_pass = None
+        if not factors and _one_pass_ok(flat):
+            # an fp32 gradient shard is left divided by grad_scale, as torch's kernel leaves it (see `_grad_scale`)
+            write_grad = flat.grad.dtype == torch.float32 and not link.cuda and not flat.grad_stored
+            one_pass = self._one_pass_args(hyper, kernel, step, fresh, grad_scale, write_grad)
+        return _StepPlan(kernel, grad_scale, tuple(factors), fresh, step, one_pass)
+
+    def _step_in_place(self, index: int, flat, args: dict) -> bool:
+        """The whole shard in one `cpu_adam` call, when all of it is in RAM and the parameters are
+        plain CPU memory (False, and nothing done, where they are not)."""
+        numel = self.sizes[index]
+        targets = _param_views(flat, 0, numel)
+        if targets is None:
+            return False
+        state = {name: self.store.view(self._key(index, name), 0, numel) for name in self.names}
+        self._one_pass_chunk(state, flat.grad, targets, args)
+        return True
+
+    def _update_chunk(self, index: int, flat, link, chunk: dict, grad, where: tuple, plan: "_StepPlan", hyper: dict,
+                      params) -> dict | None:
+        """Step one chunk and write its weights into the parameters, or into `params` (a staging
+        buffer) when given. Returns the optimizer's scalar state where the optimizer's own step ran."""
+        start, end, slot = where
+        if plan.one_pass:
+            targets = [(0, params)] if params is not None else link.param_targets(flat, start, end - start, slot)
+            self._one_pass_chunk(chunk, grad, targets, plan.one_pass)
+            if params is None:
+                link.params_written(flat, start, end - start, slot)
+            return None
+        scalars = None
+        if plan.kernel is not None:
+            self._fused_chunk(plan.kernel, chunk, grad, plan.step, hyper, plan.fresh, plan.grad_scale)
+        else:
+            scalars = self._step_chunk(index, chunk, grad)
+        if params is not None:
+            params.copy_(chunk["master"])
+        else:
+            link.put_params(flat, start, chunk["master"], slot)
+        return scalars
+
+    def _param_buffer(self, slot: int, dtype, numel: int) -> torch.Tensor:
+        key = (slot, dtype)
+        if key not in self._param_buffers:
+            self._param_buffers[key] = torch.empty(self.spec.chunk_numel, dtype=dtype)
+        return self._param_buffers[key][:numel]
+
+    def _one_pass_args(self, hyper: dict, kernel, step: torch.Tensor, fresh: bool, grad_scale, write_grad: bool) -> dict:
+        """`cpu_adam.step`'s keyword arguments for this step: what `_fused_chunk` gives torch's kernel."""
+        betas = hyper.get("betas", self.defaults.get("betas", (0.9, 0.999)))
+        amsgrad = bool(hyper.get("amsgrad", False))
+        return dict(
+            step=float(step), lr=float(hyper["lr"]), beta1=float(betas[0]), beta2=float(betas[1]),
+            weight_decay=float(hyper.get("weight_decay", 0.0)), eps=float(hyper.get("eps", 1e-8)), amsgrad=amsgrad,
+            maximize=bool(hyper.get("maximize", False)), decoupled=kernel is torch._fused_adamw_,
+            grad_scale=None if grad_scale is None else float(grad_scale), fresh=fresh, write_grad=write_grad,
+            segment=self.spec.chunk_numel,  # a call over several chunks computes what one call a chunk would
+        )  # fmt: skip
+
+    def _one_pass_chunk(self, chunk: dict, grad: torch.Tensor, targets: list, args: dict) -> None:
+        """A chunk (or the whole shard) through `cpu_adam` in one call, with the bits torch's kernel
+        gives each chunk: the updated weights go into `targets`, (offset, tensor) pieces covering
+        it (the parameters, or a staging buffer)."""
+        cpu_adam.step(chunk["master"], chunk["exp_avg"], chunk["exp_avg_sq"], grad, out=targets,
+                      max_exp_avg_sq=chunk.get("max_exp_avg_sq"), **args)  # fmt: skip
 
     def _fused_chunk(self, kernel, chunk: dict, grad: torch.Tensor, step: torch.Tensor, hyper: dict, fresh: bool,
                      grad_scale: torch.Tensor | None) -> None:
@@ -370,15 +474,21 @@ class _DeviceLink:
     cast straight into the parameters. On CUDA: gradient chunks come into pinned staging buffers
     and weights go out of them on a side stream, `slots` of each, so the copies of chunk i+1 and
     i-1 overlap the CPU step of chunk i; an event per slot guards a staging buffer until the
-    copy that reads it has finished.
+    copy that reads it has finished. The one-pass kernel (`cpu_adam`) takes a gradient chunk as
+    it is (`take_raw`) and writes the weights where `param_targets` says: the parameters on the
+    CPU, a staging buffer on CUDA (sent by `params_written`).
     """
 
     def __init__(self, device, grad_dtype, param_dtype, *, slots: int, chunk_numel: int):
         self.cuda = device.type == "cuda"
         self.slots = slots
+        self.chunk_numel = chunk_numel
+        self.param_dtype = param_dtype
         # One fp32 gradient chunk is enough (chunk i is stepped before chunk i+1 is taken), and
         # one buffer stays in cache between chunks: 4 rotating ones made the upcast 3x slower.
-        self.grad32 = torch.empty(chunk_numel)
+        self.grad32 = None  # made at the first `take_grad` (the one-pass kernel needs none)
+        self.cpu_stage = None  # CPU parameters `param_views` cannot reach: staged, then `write_shard`
+        self.staged = False
         self.pending = [None] * slots  # CPU: the gradient chunk to upcast; CUDA: (event, numel)
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -402,8 +512,8 @@ class _DeviceLink:
             event.record(self.stream)
         self.pending[slot] = (event, source.numel())
 
-    def take_grad(self, slot: int, numel: int, factors) -> torch.Tensor:
-        """This slot's gradient chunk as fp32 on the CPU, multiplied by `factors` in order."""
+    def take_raw(self, slot: int, numel: int) -> torch.Tensor:
+        """This slot's gradient chunk on the CPU, in its own dtype (a view of the shard on the CPU)."""
         if self.cuda:
             event, numel = self.pending[slot]
             event.synchronize()
@@ -411,9 +521,16 @@ class _DeviceLink:
         else:
             source = self.pending[slot]
         self.pending[slot] = None
+        return source
+
+    def take_grad(self, slot: int, numel: int, factors) -> torch.Tensor:
+        """This slot's gradient chunk as fp32 on the CPU, multiplied by `factors` in order."""
+        source = self.take_raw(slot, numel)
         if source.dtype == torch.float32 and not self.cuda and not factors:
             return source
-        out = self.grad32[:numel]
+        if self.grad32 is None:
+            self.grad32 = torch.empty(self.chunk_numel)
+        out = self.grad32[: source.numel()]
         out.copy_(source)
         for factor in factors:
             out.mul_(factor)
@@ -423,12 +540,34 @@ class _DeviceLink:
         if not self.cuda:
             flat.write_shard(start, master)
             return
+        self._stage(slot, master.numel()).copy_(master)
+        self._upload(flat, start, slot, master.numel())
+
+    def param_targets(self, flat, start: int, numel: int, slot: int) -> list:
+        """Where the weights of shard elements [start, start + numel) are to be written on the CPU,
+        as (offset, tensor) pieces; `params_written` when they are."""
+        pieces = None if self.cuda else _param_views(flat, start, numel)
+        self.staged = pieces is None
+        return [(0, self._stage(slot, numel))] if pieces is None else pieces
+
+    def params_written(self, flat, start: int, numel: int, slot: int) -> None:
+        if self.cuda:
+            self._upload(flat, start, slot, numel)
+        elif self.staged:
+            flat.write_shard(start, self.cpu_stage[:numel])
+
+    def _stage(self, slot: int, numel: int) -> torch.Tensor:
+        if not self.cuda:
+            if self.cpu_stage is None:
+                self.cpu_stage = torch.empty(self.chunk_numel, dtype=self.param_dtype)
+            return self.cpu_stage[:numel]
         if self.param_events[slot] is not None:
             self.param_events[slot].synchronize()  # its previous upload has read the stage
-        stage = self.param_stage[slot][: master.numel()]
-        stage.copy_(master)
+        return self.param_stage[slot][:numel]
+
+    def _upload(self, flat, start: int, slot: int, numel: int) -> None:
         with torch.cuda.stream(self.stream):
-            flat.write_shard(start, stage, non_blocking=True)
+            flat.write_shard(start, self.param_stage[slot][:numel], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.param_events[slot] = event
