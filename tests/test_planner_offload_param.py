@@ -87,7 +87,7 @@ def measured(tmp_path_factory):
         "buckets": sharded.reducer.peak_bucket_bytes,
         "engine": sum(t.nbytes for chunk in engine._buffers for t in chunk.values())
         + sum(t.nbytes for t in [*engine._grad_buffers.values(), *engine._param_buffers.values()])
-        + sum(link.grad32.nbytes for link in engine._links.values()),
+        + sum(link.grad32.nbytes for link in engine._links.values() if link.grad32 is not None),
         "persistent_grads": sum(p.grad.numel() * p.grad.element_size() for p in sharded.persistent
                                 if p.grad is not None),
     }  # fmt: skip
