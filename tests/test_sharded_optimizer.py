@@ -115,6 +115,54 @@ def test_parity_with_ddp(stage):
     spawn(check_parity, 2, stage)
 
 
+def check_gradient_views(rank, world_size):
+    """ZeRO-1 steps views of the gradients DDP all-reduced: no gradient bytes of its own (DDP's
+    1.0x, not 1.5x), views that share `.grad`'s storage, let go of once the step is done."""
+    ours = make_model()
+    opt = ShardedOptimizer(groups(ours), optim=torch.optim.AdamW, stage=1, bucket_numel=300, lr=3e-2)
+    model = DDP(ours)
+    loss_fn(model, batch(rank, 0, 0)).backward()
+    opt.clip_grad_norm(0.5)
+    assert opt.shard_bytes()["grad"] == 0
+    storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
+    views = [v for flat in opt.flats for v in flat.master_views]
+    assert views and all(v.grad.untyped_storage().data_ptr() in storages for v in views)
+    assert sum(v.numel() for v in views) == sum(p.numel() for p in ours.parameters()) // world_size + (rank == 0) * (
+        sum(p.numel() for p in ours.parameters()) % world_size)  # fmt: skip
+    opt.step()
+    model.zero_grad()
+    assert all(v.grad is None for v in views)  # nothing keeps the freed `.grad`s alive into the next backward
+
+
+def test_zero1_steps_views_of_ddp_gradients():
+    spawn(check_gradient_views, 2)
+
+
+def check_gloo_collectives(rank, world_size):
+    """comm's point-to-point reduce-scatter and all-gather on gloo against torch's collectives."""
+    from trainer_shard import comm
+
+    x = torch.randn(4 * world_size * 1000, generator=torch.Generator().manual_seed(rank))
+    expected = x.clone()
+    dist.all_reduce(expected)
+    n = x.numel() // world_size
+    out = torch.empty(n)
+    comm.reduce_scatter(out, x.clone())
+    assert torch.equal(out, expected[rank * n : (rank + 1) * n])  # two addends: the same sum either way
+    full = torch.empty(world_size * n)
+    comm.all_gather(full, out)
+    assert torch.equal(full, expected)
+    outs = [torch.empty(n), torch.empty(n)]
+    handles = [comm.reduce_scatter(o, x * k, async_op=True) for o, k in zip(outs, (1, 2))]  # two in flight
+    for handle in handles:
+        handle.wait()
+    assert torch.equal(outs[0], out) and torch.equal(outs[1], 2 * out)
+
+
+def test_gloo_point_to_point_collectives():
+    spawn(check_gloo_collectives, 2)
+
+
 def check_bf16(rank, world_size, stage):
     """bf16 model, fp32 masters: the same as DDP in bf16 with an fp32 master copy stepped locally."""
     reference = DDP(make_model(dtype=torch.bfloat16))

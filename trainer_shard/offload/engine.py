@@ -155,6 +155,15 @@ def _cpu_defaults(optim_class, hyper: dict) -> dict:
 
 
 @dataclass(frozen=True)
+class _Carry:
+    """What one flat's step leaves in flight for the next: [Note: reading across flats]."""
+
+    read: object  # the future of the next flat's first chunk, or None
+    slot: int  # the buffer set the next flat's first chunk uses
+    writes: dict  # buffer set -> the future of its write-back
+
+
+@dataclass(frozen=True)
 class _StepPlan:
     """How one step of a flat group runs (`OffloadEngine._plan`)."""
 
@@ -226,13 +235,26 @@ class OffloadEngine:
         return self._links[key]
 
     def step(self, hypers: list, factors=()) -> None:
-        """One step of every shard, with its group's hyperparameters and the gradient factors."""
+        """One step of every shard, with its group's hyperparameters and the gradient factors.
+
+        [Note: reading across flats] With the disk store, the first chunk of the next flat is read
+        while the last chunk of this one is stepped, and writes still in flight carry over, so a
+        model of many small flats (ZeRO-3: one per unit) keeps reading, stepping and writing at
+        once instead of starting the pipeline afresh at each flat.
+        """
+        carry = None
         for index, (flat, hyper) in enumerate(zip(self.flats, hypers)):
-            self._step_flat(index, flat, hyper, factors)
+            following = index + 1 if index + 1 < len(self.flats) else None
+            carry = self._step_flat(index, flat, hyper, factors, carry, following)
+        if carry is not None:
+            for future in carry.writes.values():
+                future.result()
 
     @torch.no_grad()
-    def _step_flat(self, index: int, flat, hyper: dict, factors) -> None:
-        """One step of flat group `index`'s shard; the updated weights go into `flat`'s parameters."""
+    def _step_flat(self, index: int, flat, hyper: dict, factors, carry=None, following=None) -> "_Carry | None":
+        """One step of flat group `index`'s shard; the updated weights go into `flat`'s parameters.
+        Disk store: `carry` is what the previous flat left in flight, and what this one leaves
+        (with the first chunk of flat `following` read ahead) is returned; see [Note: reading across flats]."""
         group = self._optim.param_groups[0]
         group.update(_cpu_defaults(self.optim_class, hyper))
         link = self._link(flat)
@@ -242,35 +264,55 @@ class OffloadEngine:
         new_scalars = None if plan.kernel is None else {"step": plan.step}
         if plan.one_pass and not (disk or link.cuda or stored) and self._step_in_place(index, flat, plan.one_pass):
             self.scalars[index] = new_scalars
-            return
+            return None
         ranges = self._ranges(index)
+        if not ranges:
+            self.scalars[index] = new_scalars
+            return carry
         link.begin()
         slots = self.spec.buffer_count
         prefetch = slots > 1  # one buffer set: read, step and write one chunk after the other
+        first = carry.slot if carry is not None else 0
+
+        def slot_of(i):
+            return (first + i) % slots
+
         if disk:
             self._ensure_chunk_buffers()
-            reads = {0: self._io.submit(self._read, index, *ranges[0], 0)}
-            writes = {}
+            writes = carry.writes if carry is not None else {}
+            if carry is not None and carry.read is not None:
+                reads = {0: carry.read}
+            else:
+                if first in writes:
+                    writes.pop(first).result()
+                reads = {0: self._io.submit(self._read, index, *ranges[0], first)}
+        ahead = None  # the following flat's first chunk, read ahead
         if not stored:
-            link.fetch_grad(flat.grad[ranges[0][0] : ranges[0][1]], 0)
+            link.fetch_grad(flat.grad[ranges[0][0] : ranges[0][1]], slot_of(0))
         for i, (start, end) in enumerate(ranges):
-            slot = i % slots
+            slot = slot_of(i)
             if disk:
                 if i not in reads:
                     reads[i] = self._io.submit(self._read, index, start, end, slot)
                 chunk = reads.pop(i).result()
-                if prefetch and i + 1 < len(ranges):
-                    next_slot = (i + 1) % slots
-                    if next_slot in writes:  # that buffer set is still being written back
-                        writes.pop(next_slot).result()
-                    reads[i + 1] = self._io.submit(self._read, index, *ranges[i + 1], next_slot)
+                if prefetch:
+                    next_slot = slot_of(i + 1)
+                    upcoming = self._upcoming(index, ranges, i, following)
+                    if upcoming is not None:
+                        if next_slot in writes:  # that buffer set is still being written back
+                            writes.pop(next_slot).result()
+                        future = self._io.submit(self._read, *upcoming, next_slot)
+                        if upcoming[0] == index:
+                            reads[i + 1] = future
+                        else:
+                            ahead = future
             else:
                 chunk = {name: self.store.view(self._key(index, name), start, end) for name in self.names}
             if stored:  # read with the state chunk on the disk store's reader thread, else here
                 link.fetch_grad(chunk.pop("grad") if disk else self._read_grad(flat, start, end, slot), slot)
             grad = link.take_raw(slot, end - start) if plan.one_pass else link.take_grad(slot, end - start, plan.factors)
             if not stored and i + 1 < len(ranges):
-                link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], (i + 1) % slots)
+                link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], slot_of(i + 1))
             staged = disk and flat.params_stored  # ZeRO-3, parameters on disk: written with the state, off this thread
             params = self._param_buffer(slot, flat.dtype, end - start) if staged else None
             scalars = self._update_chunk(index, flat, link, chunk, grad, (start, end, slot), plan, hyper, params)
@@ -281,11 +323,23 @@ class OffloadEngine:
                 writes[slot] = self._io.submit(self._write, index, start, chunk)
             if disk and not prefetch:
                 writes.pop(slot).result()
+        link.end()
+        self.scalars[index] = new_scalars
+        if disk and prefetch:
+            return _Carry(ahead, slot_of(len(ranges)), writes)
         if disk:
             for future in writes.values():
                 future.result()
-        link.end()
-        self.scalars[index] = new_scalars
+        return None
+
+    def _upcoming(self, index: int, ranges: list, i: int, following) -> tuple | None:
+        """(flat index, start, end) of the chunk read after chunk `i` of flat `index`: its next
+        one, else the first of flat `following` (None when there is none)."""
+        if i + 1 < len(ranges):
+            return (index, *ranges[i + 1])
+        if following is not None and self.sizes[following] > 0:
+            return (following, *self._ranges(following)[0])
+        return None
 
     def _plan(self, index: int, flat, hyper: dict, factors, link) -> "_StepPlan":
         """How this step of flat group `index` runs: which kernel, what it does with `factors`."""

@@ -14,6 +14,15 @@ inner optimizer steps, one tensor per bucket (`master_views`):
   in the parameters' dtype (2 bytes an element for bf16/fp16): the engine upcasts it a chunk at
   a time.
 
+[Note: gradient views] At stage 1 the full gradients are already in `.grad`, all-reduced by DDP
+(or by the persistent parameters' hooks at stage 3). With fp32 parameters stepped on the device
+(`grad_views=True`) no gradient shard is allocated: the inner optimizer gets one tensor per
+segment of this rank's shard (a view of the buffer, so still the parameters' own storage), and
+its `.grad` is the same segment of the parameter's `.grad`, a view too (`attach_grads`). The
+optimizer side then holds the optimizer state alone, as torch's `ZeroRedundancyOptimizer` does,
+not 0.5x of the gradients more. The views are dropped once the step is done
+(`mark_grads_stale`), so they never keep a freed `.grad` alive into the next backward.
+
 [Note: parameters edited from outside] `load_best_model_at_end`, loading weights on resume or a
 user's `model.load_state_dict` write into the parameters in place, behind the optimizer's back.
 With fp32 parameters the optimizer steps that very storage, so it follows by construction. With
@@ -39,7 +48,7 @@ class FlatGroup:
     params_stored = False  # and so the parameters
 
     def __init__(self, params: list, layout: FlatLayout, rank: int, group=None, *, offloaded: bool = False,
-                 grad_dtype=None):  # fmt: skip
+                 grad_dtype=None, grad_views: bool = False):  # fmt: skip
         self.params = params
         self.layout = layout
         self.rank = rank
@@ -65,7 +74,10 @@ class FlatGroup:
             release_freed_memory()
         if grad_dtype is None:
             grad_dtype = first.dtype if offloaded else torch.float32
-        self.grad = torch.zeros(layout.shard_numel, dtype=grad_dtype, device=first.device)
+        # see [Note: gradient views]
+        fp32 = first.dtype == torch.float32 == grad_dtype
+        self.grad_views = bool(grad_views and self.segments and fp32 and not offloaded)
+        self.grad = None if self.grad_views else torch.zeros(layout.shard_numel, dtype=grad_dtype, device=first.device)
         # [Note: stale gradients] Buckets whose gradient slice still holds the last step's values,
         # which count as zero: the next reduction overwrites them instead of adding, so clearing
         # the gradients after a step costs no pass over the shard. All of them, to begin with.
@@ -74,14 +86,23 @@ class FlatGroup:
         if offloaded:
             self.master = None
             self.master_views = []
+        elif self.grad_views:
+            self.master = None
+            starts = [layout.slots[seg.index].offset + seg.param_start for seg in self.segments]
+            self.master_views = [self.buffer[a : a + seg.numel] for a, seg in zip(starts, self.segments)]
         elif first.dtype == torch.float32:
             self.master = None
             self.master_views = [self.buffer[slice(*b.slice_range(rank))] for b in layout.buckets]
         else:
             self.master = torch.zeros(layout.shard_numel, dtype=torch.float32, device=first.device)
             self.master_views = [self.shard_of(self.master, b) for b in layout.buckets]
-        for view, bucket in zip(self.master_views, layout.buckets):
-            view.grad = self.shard_of(self.grad, bucket)
+        # (first element in the shard, elements) of each of `master_views`
+        if self.grad_views:
+            self.master_ranges = [(seg.shard_start, seg.numel) for seg in self.segments]
+        else:
+            self.master_ranges = [(b.shard_offset, b.shard_numel) for b in layout.buckets]
+            for view, bucket in zip(self.master_views, layout.buckets):
+                view.grad = self.shard_of(self.grad, bucket)
         self.refresh_master()
 
     @property
@@ -154,8 +175,22 @@ class FlatGroup:
         self._seen_versions = self._versions()
 
     def mark_grads_stale(self) -> None:
-        """The gradients are cleared: see [Note: stale gradients]."""
+        """The gradients are cleared: see [Note: stale gradients] (with gradient views, let go of them)."""
         self.stale = {bucket.index for bucket in self.layout.buckets}
+        if self.grad_views:
+            for view in self.master_views:
+                view.grad = None
+
+    def grad_tensors(self) -> list:
+        """The tensors that hold this rank's gradient shard: the shard, or its views (after `attach_grads`)."""
+        if self.grad_views:
+            return [view.grad for view in self.master_views if view.grad is not None]
+        return [self.grad]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of gradient this flat holds itself (gradient views hold none: they are `.grad`'s)."""
+        return 0 if self.grad is None else self.grad.numel() * self.grad.element_size()
 
     @torch.no_grad()
     def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0, owned: bool = False) -> None:
@@ -172,6 +207,18 @@ class FlatGroup:
             # a second backward before the step, summed in the shard's own (16-bit?) precision
             self.accumulated = True
 
+    def reduce_target(self, bucket, dtype):
+        """Where a reduction of `bucket` may write this rank's slice directly: the gradient shard's
+        slice when it is stale (its old values count as zero) and of `dtype`, else None (the
+        result goes through `add_to_grad`). After writing there, call `mark_reduced`."""
+        if bucket.index in self.stale and self.grad is not None and self.grad.dtype == dtype:
+            return self.shard_of(self.grad, bucket)
+        return None
+
+    def mark_reduced(self, bucket) -> None:
+        """`bucket`'s slice of the gradient shard was written by a reduction (`reduce_target`)."""
+        self.stale.discard(bucket.index)
+
     @torch.no_grad()
     def zero_stale(self) -> None:
         """Zero what no reduction has written since the gradients were cleared."""
@@ -181,8 +228,23 @@ class FlatGroup:
         self.stale = set()
 
     @torch.no_grad()
+    def attach_grads(self) -> None:
+        """ZeRO-1 with gradient views: each segment's `.grad` <- that segment of the parameter's
+        (already all-reduced) `.grad`, a view; zeros where a parameter has none. See [Note: gradient views]."""
+        for view, seg in zip(self.master_views, self.segments):
+            grad = self.params[seg.index].grad
+            if grad is None:
+                view.grad = torch.zeros_like(view)
+            else:
+                view.grad = grad.reshape(-1)[seg.param_start : seg.param_start + seg.numel].to(view)
+        self.stale = set()
+
+    @torch.no_grad()
     def copy_grads_to_shard(self) -> None:
         """ZeRO-1: this rank's slices of the (already all-reduced) full `.grad` tensors -> fp32 shard."""
+        if self.grad_views:
+            self.attach_grads()
+            return
         for seg in self.segments:
             grad = self.params[seg.index].grad
             target = self.grad[seg.shard_start : seg.shard_start + seg.numel]

@@ -2,7 +2,9 @@
 
 The inner optimizer holds one tensor per bucket of each `FlatGroup` (its `master_views`: the
 parameters' own storage for fp32, a separate fp32 shard for 16-bit parameters), so its state
-is bucket by bucket too. Implements `stepper.Stepper`; see [Note: chunked state access] there.
+is bucket by bucket too; per segment with gradient views (see [Note: gradient views] in flat.py),
+where the padding of the shard belongs to no tensor and reads as zeros. Implements
+`stepper.Stepper`; see [Note: chunked state access] there.
 """
 
 import torch
@@ -46,6 +48,8 @@ class OnDevice:
         flat = self.flats[index]
         if name == "master" and flat.master is None:  # fp32 parameters are their own masters
             return flat.read_shard(start, out)
+        if flat.grad_views:
+            out.zero_()  # the padding, which no segment covers
         for lo, hi, tensor in self._pieces(index, name, start, start + out.numel()):
             out[lo - start : hi - start].copy_(tensor)
         return out
@@ -61,8 +65,8 @@ class OnDevice:
     def _pieces(self, index: int, name: str, start: int, end: int, create: bool = False):
         """(lo, hi, tensor view) for shard elements [lo, hi) of `name` in [start, end), bucket by bucket."""
         flat = self.flats[index]
-        for view, bucket in zip(flat.master_views, flat.layout.buckets):
-            lo, hi = max(start, bucket.shard_offset), min(end, bucket.shard_offset + bucket.shard_numel)
+        for view, (first, numel) in zip(flat.master_views, flat.master_ranges):
+            lo, hi = max(start, first), min(end, first + numel)
             if lo >= hi:
                 continue
             if name == "master":
@@ -72,7 +76,7 @@ class OnDevice:
                 if name not in state and create:
                     state[name] = torch.zeros_like(view)
                 tensor = state[name]
-            yield lo, hi, tensor[lo - bucket.shard_offset : hi - bucket.shard_offset]
+            yield lo, hi, tensor[lo - first : hi - first]
 
     def scalar_state(self, index: int) -> dict:
         view = self.flats[index].master_views[0]

@@ -50,6 +50,7 @@ from ..offload.engine import OffloadEngine, per_element_state
 from . import owners
 from .flat import FlatGroup
 from .frozen import Held
+from .norms import power_sum
 from .partition import plan_layout
 from .on_device import OnDevice, per_element
 from .reducer import MAX_16BIT_RANKS, GradReducer
@@ -208,8 +209,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if grad_dtype not in (None, torch.float32) and self.offload is None:
                 raise ShardingError("a 16-bit gradient shard needs offload: the inner optimizer steps fp32 masters "
                                     "from fp32 gradients")  # fmt: skip
+            # ZeRO-1 (and ZeRO-3's persistent parameters) step views of the all-reduced `.grad`s:
+            # [Note: gradient views] in flat.py
             flat = FlatGroup(kind_params, layout, self.rank, self.group, offloaded=self.offload is not None,
-                             grad_dtype=grad_dtype)  # fmt: skip
+                             grad_dtype=grad_dtype, grad_views=self.stage != 2)  # fmt: skip
             comm.broadcast(flat.buffer, 0, self.group)  # every rank starts from rank 0's weights
             flat.refresh_master()
             self.flats.append(flat)
@@ -339,7 +342,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.loss_scaler is not None:
             bad = torch.zeros(1, device=self._device())
             for flat in self.flats:
-                bad += ~_all_finite(flat.grad) if not flat.grad_stored else not math.isfinite(flat.grad_sq)
+                if flat.grad_stored:
+                    bad += not math.isfinite(flat.grad_sq)
+                else:
+                    for grad in flat.grad_tensors():
+                        bad += ~_all_finite(grad)
             self.found_inf = bool(comm.all_reduce(bad, group=self.group).item() > 0)
             self._scale_grads(1.0 / self.loss_scaler.scale)
         self._grads_ready = True
@@ -348,7 +355,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Once: micro-batches were summed in a 16-bit gradient shard (grad_dtype)."""
         if self._logged_accumulation:
             return
-        flat = next((f for f in self.flats if f.accumulated and f.grad.dtype != torch.float32), None)
+        flat = next((f for f in self.flats if f.accumulated and f.grad is not None and f.grad.dtype != torch.float32),
+                    None)  # fmt: skip
         if flat is None:
             return
         self._logged_accumulation = True
@@ -366,7 +374,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._grad_factors.append(factor)
             return
         for flat in self.flats:
-            flat.grad.mul_(factor)
+            for grad in flat.grad_tensors():
+                grad.mul_(factor)
 
     def _pending_factor(self) -> float:
         return math.prod(float(factor) for factor in self._grad_factors)
@@ -395,9 +404,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                     f"only, got norm_type={norm_type}")  # fmt: skip
             flats = [f for f in self.flats if not f.grad_stored]
             if norm_type == float("inf"):
-                local = torch.stack([zero.float(), *(f.grad.abs().max().float() for f in flats)]).max().reshape(1)
+                maxima = (g.abs().max().float() for f in flats for g in f.grad_tensors() if g.numel())
+                local = torch.stack([zero.float(), *maxima]).max().reshape(1)
                 return comm.all_reduce(local, op=torch.distributed.ReduceOp.MAX, group=self.group)[0] * scale
-            local = sum((_power_sum(f.grad, norm_type) for f in flats), zero).reshape(1)
+            local = sum((power_sum(g, norm_type) for f in flats for g in f.grad_tensors()), zero).reshape(1)
             local += sum(f.grad_sq for f in stored)
             total = comm.all_reduce(local, group=self.group)[0] ** (1.0 / norm_type)
             return (total * scale).float() if scale != 1.0 else total.float()
@@ -529,7 +539,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state, masters = {}, {}
         for index, flat in enumerate(self.flats):
             inner = self.shard_tensors(index)
-            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if per_element(k, v, flat.grad)), self.group)[0]
+            like = _shard_like(flat)
+            keys = comm.all_gather_objects(sorted(k for k, v in inner.items() if per_element(k, v, like)), self.group)[0]
             pieces = {key: _gather_to(inner[key], to, self.group) for key in keys}
             master = self.master_shard(index)
             if master is not None:  # fp32 parameters are their own masters: nothing to gather
@@ -626,11 +637,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for index, (state, master) in enumerate(zip(state_dict["inner"], state_dict["masters"])):
             flat = self.flats[index]
             self.stepper.clear_state(index)
+            like = _shard_like(flat)
             for key, value in state.items():  # the same rank's shard: no re-partitioning
-                if per_element(key, value, flat.grad):
+                if per_element(key, value, like):
                     self.stepper.write(index, key, 0, value)
             if state:
-                self.stepper.set_scalar_state(index, {k: v for k, v in state.items() if not per_element(k, v, flat.grad)})
+                self.stepper.set_scalar_state(index, {k: v for k, v in state.items() if not per_element(k, v, like)})
             if master is not None:
                 self.stepper.write(index, "master", 0, master)
             else:
@@ -736,7 +748,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def shard_bytes(self) -> dict:
         """Bytes this rank holds for its shards on the compute device (master weights, gradients,
         optimizer state) and, offloaded, in the store."""
-        return {"grad": sum(f.grad.numel() * f.grad.element_size() for f in self.flats if not f.grad_stored),
+        return {"grad": sum(f.grad_bytes for f in self.flats),
                 **self.stepper.state_bytes()}
 
     def close(self, why: str = "close() was called") -> None:
@@ -820,28 +832,16 @@ def _check_same_everywhere(index: int, params: list, group) -> None:
             )
 
 
+def _shard_like(flat) -> torch.Tensor:
+    """A tensor shaped like `flat`'s shard (no memory): per-element state has this shape."""
+    return torch.empty(flat.layout.shard_numel, device="meta")
+
+
 def _all_finite(t: torch.Tensor, chunk: int = CHUNK_NUMEL) -> torch.Tensor:
     """No inf/NaN in `t` (a bool tensor on its device, so no sync per chunk), checked a chunk at a
     time (no shard-sized temporary)."""
     checks = [torch.isfinite(t[s : s + chunk]).all() for s in range(0, t.numel(), chunk)]
     return torch.stack(checks).all() if checks else torch.ones((), dtype=torch.bool, device=t.device)
-
-
-def _power_sum(t: torch.Tensor, p: float, row: int = 4096, rows_per_pass: int = 1024) -> torch.Tensor:
-    """sum(|t|^p) in float64, from fp32 norms of short rows.
-
-    One fp32 norm over a shard of tens of millions of elements is off by about 0.2% on CPU
-    (measured: 30 M elements, -1.9e-3), which moved the clipping and the logged grad norm away
-    from DDP's per-parameter norms; rows of 4096 bring it to about 1e-7, at the speed of one norm.
-    A 16-bit shard is upcast a pass of `rows_per_pass` rows at a time, never whole.
-    """
-    n = t.numel() // row * row
-    matrix = t[:n].view(-1, row)
-    total = torch.zeros((), dtype=torch.float64, device=t.device)
-    for start in range(0, matrix.shape[0], rows_per_pass):
-        rows = torch.linalg.vector_norm(matrix[start : start + rows_per_pass], ord=p, dim=1, dtype=torch.float32)
-        total += rows.double().pow(p).sum()
-    return total + t[n:].double().abs().pow(p).sum()
 
 
 def _gather_to(tensor: torch.Tensor, to: int, group):

@@ -3,7 +3,8 @@
 As each parameter's gradient is accumulated, its hook copies it into its bucket's buffer and
 frees it (`.grad = None`), so full gradients never pile up. A bucket whose parameters have all
 reported is reduce-scattered asynchronously while backward goes on; each rank receives its own
-slice, averaged over ranks, and adds it into its fp32 gradient shard. At most `max_in_flight`
+slice, averaged over ranks, and adds it into its fp32 gradient shard (or receives it straight
+into the shard, when that slice holds no gradient yet this step). At most `max_in_flight`
 reductions are outstanding: launching one more first completes the oldest and frees its
 buffer, so the gradient memory beyond the shard stays at a few buckets. A bucket holding one
 parameter that needs no padding is reduced straight from its `.grad`, with no copy. Several
@@ -191,18 +192,25 @@ class GradReducer:
             state.zero_missing()
         while len(self.in_flight) >= self.max_in_flight:
             self._complete_oldest()
-        if self.world_size == 1:  # nothing to reduce: this rank's slice is the bucket itself (no copy)
+        # straight into the gradient shard when its slice is stale and of the bucket's dtype
+        direct = state.flat.reduce_target(state.bucket, state.dtype) if self.world_size > 1 else None
+        if direct is not None:
+            out = direct
+        elif self.world_size == 1:  # nothing to reduce: this rank's slice is the bucket itself (no copy)
             out = state.buffer[: state.bucket.shard_numel]
         else:
             out = torch.empty(state.bucket.shard_numel, dtype=state.dtype, device=state.flat.buffer.device)
         work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
-        self.in_flight.append((state, out, work))
+        self.in_flight.append((state, out if direct is None else None, work))
 
     def _complete_oldest(self) -> None:
         state, out, work = self.in_flight.pop(0)
         with record_function("trainer_shard::reduce_scatter_wait"):
             work.wait()
-        state.flat.add_to_grad(state.bucket, out, owned=True)  # already the mean: see [Note: 16-bit reduction]
+        if out is None:  # reduced into the shard itself
+            state.flat.mark_reduced(state.bucket)
+        else:
+            state.flat.add_to_grad(state.bucket, out, owned=True)  # already the mean: see [Note: 16-bit reduction]
         self._count(state.buffer, -1)
         state.buffer = None
 
