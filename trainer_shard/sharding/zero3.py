@@ -38,7 +38,7 @@ the private swap, `resize_` to full size and to 0, as FSDP does). Never replace 
   mode "any") re-gathers the unit before its backward starts;
 - backward: each sharded parameter's post-accumulate-grad hook hands its gradient to the
   existing `GradReducer` (a unit's flat buffer is one bucket: divided by the world size, then
-  `comm.reduce_scatter`, which on gloo is an all-reduce and a slice, measured faster there, and
+  `comm.reduce_scatter`, point to point on gloo, measured faster there than its collectives, and
   a real reduce-scatter on NCCL; this rank's slice is added into the fp32 gradient shard); once
   every sharded parameter of the unit has its gradient, the unit is freed;
 - end of backward (an autograd engine callback): persistent gradients all-reduced, and any unit
