@@ -10,7 +10,7 @@ trainer_shard implements it:
 | strategy | parameters | gradients | optimizer (AdamW: master + 2 moments, fp32) |
 |---|---|---|---|
 | DDP (Trainer) | 4 A (fp32; `--bf16` autocasts fp32 weights) | 4 P `.grad` + 4 P DDP buckets | 8 P |
-| `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N | (4 if w = 2) P/N master + 8 P/N |
+| `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N (w = 4: none, views of `.grad`) | (4 if w = 2) P/N master + 8 P/N |
 | `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` |
 | `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K |
 | + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk |
@@ -203,7 +203,8 @@ def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: in
     shard = -(-P // N)
     grad_shard = w * shard if offload else 4 * shard
     if strategy == "simple":
-        grads = w * P + w * P + grad_shard  # .grad, DDP's bucket copies, the shard
+        # .grad, DDP's bucket copies, the shard (fp32 on the device: views of .grad, [Note: gradient views])
+        grads = w * P + w * P + (0 if w == 4 and not offload else grad_shard)
     elif strategy == "zero_dp_2":
         grads = grad_shard + 3 * min(BUCKET_NUMEL, P) * w  # the shard, reduce buckets in flight
     else:
