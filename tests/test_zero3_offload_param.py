@@ -164,3 +164,35 @@ def test_eval_and_generate_stream_from_disk(tmp_path):
     held = sharded.held_parameter_bytes()
     assert held["gathered"] == held["shards"] == 0 and sharded.store.disk.stats["read_bytes"] > 0
     sharded.close()
+
+
+def test_meta_model_without_parameter_offload_trains_as_the_eager_one():
+    """Built on the meta device, read from `weights`, parameters kept in memory (no offload): two
+    AdamW steps end where plain AdamW on the eager model does. The tied embedding (big enough to
+    be sharded, in the root unit) is gathered again in backward; its parameter must not share the buffer's version counter."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from trainer_shard.sharding import ShardedOptimizer, shard_model
+
+    config = T5Config(vocab_size=32128, d_model=64, d_kv=16, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    eager = T5ForConditionalGeneration(config)
+    weights = {k: v.clone() for k, v in eager.state_dict().items()}
+    ref_opt = torch.optim.AdamW(eager.parameters(), lr=1e-3)
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    sharded = shard_model(model, units=[T5Block], weights=weights)
+    assert model.lm_head.weight is model.shared.weight
+    opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3, lr=1e-3)
+    ids = torch.randint(2, 300, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        for m, o in ((eager, ref_opt), (model, opt)):
+            m(input_ids=ids, labels=ids).loss.backward()
+            o.step()
+            o.zero_grad()
+    got = sharded.full_state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.allclose(got[k], v, atol=1e-6, rtol=0), k
+    opt.close()
+    sharded.close()

@@ -192,7 +192,15 @@ class FlatParams:
                 view = self.buffer[slot.offset : slot.offset + slot.numel]
                 if p.device.type == "meta":  # [Note: meta-device model] read now, a tensor at a time
                     view.copy_(fetch(p).reshape(-1))
-                    torch.utils.swap_tensors(p, torch.nn.Parameter(view.view(p.shape), requires_grad=p.requires_grad))
+                    # a real parameter in place of the meta one, then pointed at the buffer with `.data =`
+                    # as below: it keeps a version counter of its own (a Parameter made of the view
+                    # would share the buffer's, and each gather into the buffer would then fail
+                    # backward's check of the tensors forward saved)
+                    shape = p.shape
+                    real = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device))
+                    real.requires_grad_(p.requires_grad)
+                    torch.utils.swap_tensors(p, real)
+                    p.data = view.view(shape)
                 else:
                     view.copy_(p.detach().reshape(-1))
                     p.data = view.view(p.shape)
