@@ -139,7 +139,7 @@ def test_zero1_steps_views_of_ddp_gradients():
 
 
 def check_gloo_collectives(rank, world_size):
-    """comm's point-to-point reduce-scatter and all-gather on gloo against torch's collectives."""
+    """comm's reduce-scatter (point to point on gloo) and all-gather against torch's collectives."""
     from trainer_shard import comm
 
     x = torch.randn(4 * world_size * 1000, generator=torch.Generator().manual_seed(rank))

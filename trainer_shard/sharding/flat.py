@@ -18,7 +18,8 @@ inner optimizer steps, one tensor per bucket (`master_views`):
 (or by the persistent parameters' hooks at stage 3). With fp32 parameters stepped on the device
 (`grad_views=True`) no gradient shard is allocated: the inner optimizer gets one tensor per
 segment of this rank's shard (a view of the buffer, so still the parameters' own storage), and
-its `.grad` is the same segment of the parameter's `.grad`, a view too (`attach_grads`). The
+its `.grad` is the same segment of the parameter's `.grad`, a view too (`copy_grads_to_shard`
+attaches them, copying nothing). The
 optimizer side then holds the optimizer state alone, as torch's `ZeroRedundancyOptimizer` does,
 not 0.5x of the gradients more. The views are dropped once the step is done
 (`mark_grads_stale`), so they never keep a freed `.grad` alive into the next backward.
@@ -182,7 +183,7 @@ class FlatGroup:
                 view.grad = None
 
     def grad_tensors(self) -> list:
-        """The tensors that hold this rank's gradient shard: the shard, or its views (after `attach_grads`)."""
+        """The tensors that hold this rank's gradient shard: the shard, or its views (once attached)."""
         if self.grad_views:
             return [view.grad for view in self.master_views if view.grad is not None]
         return [self.grad]
@@ -228,22 +229,18 @@ class FlatGroup:
         self.stale = set()
 
     @torch.no_grad()
-    def attach_grads(self) -> None:
-        """ZeRO-1 with gradient views: each segment's `.grad` <- that segment of the parameter's
-        (already all-reduced) `.grad`, a view; zeros where a parameter has none. See [Note: gradient views]."""
-        for view, seg in zip(self.master_views, self.segments):
-            grad = self.params[seg.index].grad
-            if grad is None:
-                view.grad = torch.zeros_like(view)
-            else:
-                view.grad = grad.reshape(-1)[seg.param_start : seg.param_start + seg.numel].to(view)
-        self.stale = set()
-
-    @torch.no_grad()
     def copy_grads_to_shard(self) -> None:
-        """ZeRO-1: this rank's slices of the (already all-reduced) full `.grad` tensors -> fp32 shard."""
+        """ZeRO-1: this rank's slices of the (already all-reduced) full `.grad` tensors -> fp32 shard;
+        with gradient views, each segment's `.grad` <- that slice itself, a view (zeros where a
+        parameter has none). See [Note: gradient views]."""
         if self.grad_views:
-            self.attach_grads()
+            for view, seg in zip(self.master_views, self.segments):
+                grad = self.params[seg.index].grad
+                if grad is None:
+                    view.grad = torch.zeros_like(view)
+                else:
+                    view.grad = grad.reshape(-1)[seg.param_start : seg.param_start + seg.numel].to(view)
+            self.stale = set()
             return
         for seg in self.segments:
             grad = self.params[seg.index].grad

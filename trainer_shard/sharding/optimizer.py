@@ -355,8 +355,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Once: micro-batches were summed in a 16-bit gradient shard (grad_dtype)."""
         if self._logged_accumulation:
             return
-        flat = next((f for f in self.flats if f.accumulated and f.grad is not None and f.grad.dtype != torch.float32),
-                    None)  # fmt: skip
+        flat = next((f for f in self.flats if f.accumulated and f.grad.dtype != torch.float32), None)
         if flat is None:
             return
         self._logged_accumulation = True
