@@ -24,13 +24,39 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def process_io() -> dict:
+    """This process's bytes read from and written to storage so far (/proc/self/io: read_bytes,
+    write_bytes; a dirtied page counts for the process that dirtied it, when the kernel writes it
+    back included), {} where there is no such file."""
+    try:
+        fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    except OSError:
+        return {}
+    return {"read_bytes": int(fields["read_bytes"]), "write_bytes": int(fields["write_bytes"])}
+
+
 def train(row: str, flags: list) -> dict:
     sys.path.insert(0, str(HERE))
+    from transformers import TrainerCallback
+
     from _sharding_worker import Probe
 
+    class IoProbe(TrainerCallback):
+        """/proc/self/io at the start and the end of every step."""
+
+        def __init__(self):
+            self.steps = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begun = process_io()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            end = process_io()
+            self.steps.append({k: end[k] - self.begun[k] for k in end})
+
     script = runpy.run_path(str(HERE.parent / "scripts" / "finetune_trainer.py"))
-    probe = Probe()
-    trainer, _ = script["main"](flags, callbacks=[probe])
+    probe, io = Probe(), IoProbe()
+    trainer, _ = script["main"](flags, callbacks=[probe, io])
     history = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     optimizer = getattr(trainer, "sharded_optimizer", None)
     return {
@@ -40,6 +66,9 @@ def train(row: str, flags: list) -> dict:
         "peak_rss_bytes": peak_rss(),
         "offload": optimizer.shard_bytes() if optimizer is not None else None,
         "final_loss": history[-1] if history else None,
+        # bytes this process read from and wrote to storage a step: medians over the steps timed
+        "disk_io": {k: median(step[k] for step in io.steps[2:] or io.steps) for k in io.steps[0]}
+        if io.steps and io.steps[0] else None,
     }
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infinity import disk_bandwidth  # noqa: E402
 from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run, train_flags  # noqa: E402
 from _results import write_markdown  # noqa: E402
 
@@ -31,6 +32,10 @@ MODEL = WORK / "t5-large-arch"
 # the optimizer-step rows (see _offload_worker.adam): clipped at 1.0 (the default) and unclipped
 ADAM_ROWS = ("ours_bf16", "ours_fp32", "deepspeed", "ours_fp32_noclip", "deepspeed_noclip")
 STORE = WORK / "offload_store"
+ROW_ENV = {"disk_copies": {"TRAINER_SHARD_NO_MMAP": "1"}}  # the disk store's chunks read and written as copies
+# the rows whose ratio the step-time claim rests on: run `--rounds` times, interleaved, the
+# median round kept (this machine's step times drift by 30% from one minute to the next)
+ROUNDED = ("fp32", "cpu", "disk")
 
 ROWS = {
     "fp32": ("plain Trainer, fp32, fused AdamW", []),
@@ -40,6 +45,8 @@ ROWS = {
     "cpu_fp32_grads": ("trainer_shard --bf16 --offload (CPU RAM, fp32 gradient shard)",
                        ["--bf16", "--offload", WORK / "offload_cpu_fp32_grads.json"]),
     "disk": ("trainer_shard --bf16 --offload (disk)", ["--bf16", "--offload", WORK / "offload_disk.json"]),
+    "disk_copies": ("trainer_shard --bf16 --offload (disk), chunks copied (TRAINER_SHARD_NO_MMAP=1)",
+                    ["--bf16", "--offload", WORK / "offload_disk.json"]),
     "deepspeed": ("DeepSpeed 0.19 ZeRO-2, CPU offload, --bf16", ["--bf16", "--deepspeed", WORK / "ds_offload.json"]),
 }
 
@@ -104,7 +111,32 @@ def gb(n) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
-def table(results: dict, adam: dict, args) -> str:
+def disk_lines(results: dict, bandwidth: dict | None) -> list:
+    """What the disk costs the step, against what the bytes it moved take at the disk's bandwidth."""
+    cpu = results.get("cpu")
+    rows = [row for row in ("disk", "disk_copies") if row in results and "skipped" not in results[row]]
+    if not rows or not bandwidth:
+        return []
+    lines = ["", f"Disk under the store, measured in this run (bench/infinity.py's `disk_bandwidth`, "
+             f"{bandwidth['bytes'] / 2**30:.0f} GiB): write {bandwidth['write'] / 1e9:.2f} GB/s (fsync'd), read "
+             f"{bandwidth['read'] / 1e9:.2f} GB/s (page cache dropped). Bytes a step: what the process read from and "
+             "wrote to storage (/proc/self/io, median over the timed steps; a page the step dirtied counts when the "
+             "kernel writes it back). The disk's cost to the step: the row's step time minus the CPU-offload row's. "
+             "Its fraction of the bound: that cost over bytes / bandwidth.", "",
+             "| run | written / step | read / step | bytes / bandwidth | step (s) | disk's cost to the step (s) | fraction of the bound |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        r = results[row]
+        io = r.get("disk_io") or {}
+        bound = io.get("write_bytes", 0) / bandwidth["write"] + io.get("read_bytes", 0) / bandwidth["read"]
+        cost = r["median_step_s"] - cpu["median_step_s"] if cpu and "skipped" not in cpu else None
+        lines.append(f"| {ROWS[row][0]} | {io.get('write_bytes', 0) / 1e9:.2f} GB | {io.get('read_bytes', 0) / 1e9:.2f} GB "
+                     f"| {bound:.2f} s | {r['median_step_s']:.2f} | {'-' if cost is None else f'{cost:.2f}'} "
+                     f"| {'-' if cost is None or not bound else f'{cost / bound:.2f}'} |")  # fmt: skip
+    return lines
+
+
+def table(results: dict, adam: dict, args, bandwidth: dict | None = None) -> str:
     base = results.get("fp32")
     base = base if base and "skipped" not in base else None
     ran = [r for r in results.values() if "skipped" not in r]
@@ -112,7 +144,9 @@ def table(results: dict, adam: dict, args) -> str:
     lines = [
         f"One process, {os.cpu_count()} CPU cores, T5 of {params / 1e6:.0f} M parameters (random init), batch "
         f"{args.batch}, source/target length 32, {args.steps} steps; step time: median of steps 3-{args.steps}. "
-        "Peak RSS: the row's process (ru_maxrss), from start to end, model load included.",
+        "Peak RSS: the row's process (ru_maxrss), from start to end, model load included. "
+        f"Rows {', '.join(ROUNDED)}: {args.rounds} runs each, interleaved, the run with the median step time "
+        "shown (each run's in `rounds` in offload.json).",
         "",
         "| run | step time (s) | vs fp32 | peak RSS (GiB) | vs fp32 | offloaded state | final loss |",
         "|---|---|---|---|---|---|---|",
@@ -131,6 +165,7 @@ def table(results: dict, adam: dict, args) -> str:
         loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
         lines.append(f"| {name} | {r['median_step_s']:.2f} | {ratio('median_step_s')} | {gb(r['peak_rss_bytes'])} "
                      f"| {ratio('peak_rss_bytes')} | {where} | {loss} |")  # fmt: skip
+    lines += disk_lines(results, bandwidth)
     if adam:
         numel = next((r["numel"] for r in adam.values() if "numel" in r), 0)
         lines += ["", f"One AdamW step of a {numel / 1e6:.0f} M-element shard, fp32 master and moments in CPU RAM, "
@@ -172,6 +207,8 @@ def main() -> None:
                         help="rerun only the optimizer-step comparison; the training rows come from offload.json")
     parser.add_argument("--adam_rounds", type=int, default=3, help="interleaved rounds of the optimizer-step rows")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per row")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help=f"runs of each of {', '.join(ROUNDED)}, interleaved; the median one is kept")
     args = parser.parse_args()
     ensure_env()
     if Path(sys.prefix).resolve() != VENV.resolve():
@@ -184,14 +221,26 @@ def main() -> None:
     if args.adam_only:
         previous = json.loads((RESULTS / "offload.json").read_text())
         results, train_command = previous["train"], previous.get("train_command", "python bench/offload.py")
-    for row in [] if args.adam_only else args.rows:
+    bandwidth = None
+    if not args.adam_only and any(row.startswith("disk") for row in args.rows):
+        bandwidth = disk_bandwidth(WORK / "disk_bandwidth")  # the disk under the store, in this invocation
+        print("disk", json.dumps(bandwidth), flush=True)
+    rounds = {}
+    order = [] if args.adam_only else list(args.rows)
+    order += [row for _ in range(args.rounds - 1) for row in args.rows if row in ROUNDED]
+    for row in order:
         # DeepSpeed outside its launcher looks for MPI unless told it is rank 0 of 1
         env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())} if row == "deepspeed" else None  # fmt: skip
-        results[row] = worker(["train", row, raw / f"{row}.json", "--", *flags(row, args.steps, args.batch)],
-                              raw / f"{row}.json", args.timeout, env)  # fmt: skip
-        print(row, json.dumps({k: v for k, v in results[row].items() if k != "step_times"}), flush=True)
+               "MASTER_PORT": str(free_port())} if row == "deepspeed" else ROW_ENV.get(row)  # fmt: skip
+        result = worker(["train", row, raw / f"{row}.json", "--", *flags(row, args.steps, args.batch)],
+                        raw / f"{row}.json", args.timeout, env)  # fmt: skip
+        print(row, json.dumps({k: v for k, v in result.items() if k != "step_times"}), flush=True)
+        rounds.setdefault(row, []).append(result)
         shutil.rmtree(WORK / "out" / row, ignore_errors=True)  # the row's saved model: up to 3 GB each
+    for row, runs in rounds.items():
+        ok = sorted((r for r in runs if "skipped" not in r), key=lambda r: r["median_step_s"])
+        times = [round(r["median_step_s"], 3) for r in runs if "skipped" not in r]  # in the order run
+        results[row] = dict(ok[(len(ok) - 1) // 2], rounds=times) if ok else runs[0]
     if "disk" in results and "skipped" not in results["disk"]:
         results["disk"]["store_removed"] = not any(STORE.glob("rank*"))
     adam = {}
@@ -209,11 +258,14 @@ def main() -> None:
                 ok[0], median_step_s=median(r["median_step_s"] for r in ok), rounds=[round(r["median_step_s"], 3) for r in ok],
                 **{key: median(r[key] for r in ok) for key in ("median_copy_s", "median_adam_s") if key in ok[0]})  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.adam_only:
+        bandwidth = previous.get("disk_bandwidth")
     (RESULTS / "offload.json").write_text(json.dumps({"train": results, "adam": adam, "train_command": train_command,
-                                                      "adam_command": command.strip()}, indent=1))  # fmt: skip
+                                                      "adam_command": command.strip(), "disk_bandwidth": bandwidth},
+                                                     indent=1))  # fmt: skip
     commands = f"`{train_command}`" if train_command == command.strip() else \
         f"`{train_command}` (training rows), then `{command.strip()}` (optimizer-step rows)"  # fmt: skip
-    text = f"# Offload benchmark\n\nCommand: {commands}\n\n" + table(results, adam, args)
+    text = f"# Offload benchmark\n\nCommand: {commands}\n\n" + table(results, adam, args, bandwidth)
     write_markdown(RESULTS / "offload.md", text)
     print(text)
 

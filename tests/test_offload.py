@@ -59,6 +59,53 @@ def test_one_process_offload_equals_no_offload(tmp_path, kind, chunk, buffers, c
     assert not (tmp_path / "store").exists()  # a disk store deletes its files
 
 
+@pytest.mark.parametrize("buffers", [1, 3])
+def test_disk_chunks_stepped_on_mapped_pages(tmp_path, monkeypatch, buffers):
+    """Chunks of whole pages (1024 fp32) are stepped on the store files' own pages, mapped
+    ([Note: stepping on mapped pages]): the same weights as without offload, bit for bit, and
+    the same bits as the copies path (`TRAINER_SHARD_NO_MMAP=1`) with clipping on; the state read
+    back with `pread` (a checkpoint) is the reference optimizer's; at most one chunk more than
+    the buffer sets is mapped at once, and none is left mapped."""
+    from trainer_shard.offload.store import DiskStore
+
+    mapped = {"calls": 0, "now": 0, "most": 0}
+    store_map, store_unmap = DiskStore.map, DiskStore.unmap
+
+    def watched_map(self, name, start, numel):
+        got = store_map(self, name, start, numel)
+        if got is not None:
+            mapped["calls"] += 1
+            mapped["now"] += 1
+            mapped["most"] = max(mapped["most"], mapped["now"])
+        return got
+
+    def watched_unmap(self, mapping):
+        mapped["now"] -= 1
+        store_unmap(self, mapping)
+
+    monkeypatch.setattr(DiskStore, "map", watched_map)
+    monkeypatch.setattr(DiskStore, "unmap", watched_unmap)
+    reference, ref_opt, ref_losses = train(0, None, clip=None)
+    model, opt, losses = train(0, spec("nvme", tmp_path / "store", 1024, buffers), clip=None)
+    assert losses == ref_losses and max_diff(model, reference) == 0.0
+    saved = opt.local_state_dict()
+    ref_state = [ref_opt.optim.state[v]["exp_avg_sq"] for v in ref_opt.flats[0].master_views]
+    assert torch.allclose(saved["inner"][0]["exp_avg_sq"], torch.cat(ref_state), rtol=1e-5, atol=1e-12)
+    opt.close()
+    # 3 names x 4 chunks (2978 + 83 elements) x 4 steps, every one mapped; in flight at most
+    # the chunk stepped, the one read ahead and those being written back
+    assert mapped["calls"] == 3 * 4 * 4 and mapped["now"] == 0 and 3 <= mapped["most"] <= 3 * (buffers + 1)
+    clipped, clipped_opt, clipped_losses = train(0, spec("nvme", tmp_path / "store", 1024, buffers), clip=0.5)
+    clipped_opt.close()
+    monkeypatch.setenv("TRAINER_SHARD_NO_MMAP", "1")
+    calls = mapped["calls"]
+    copied, copied_opt, copied_losses = train(0, spec("nvme", tmp_path / "store", 1024, buffers), clip=0.5)
+    copied_opt.close()
+    assert mapped["calls"] == calls  # the copies path maps nothing
+    assert clipped_losses == copied_losses and max_diff(clipped, copied) == 0.0
+    assert max_diff(clipped, make_model()) > 1e-3
+
+
 def test_offload_runs_any_elementwise_optimizer(tmp_path):
     """SGD with momentum: state made at step 1 (momentum_buffer = grad), kept in the store after."""
     hyper = {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}

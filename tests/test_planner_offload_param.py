@@ -68,6 +68,22 @@ def measured(tmp_path_factory):
         return write_async(name, start, data, in_flight)
 
     Unit.gather, sharded.store.write_async = watched_gather, watched_write
+    optimizer_store = opt.stepper.store  # the engine steps chunks on their mapped pages: count them
+    store_map, store_unmap = optimizer_store.map, optimizer_store.unmap
+    mapped = {"now": 0, "most": 0}
+
+    def watched_map(name, start, numel):
+        got = store_map(name, start, numel)
+        if got is not None:
+            mapped["now"] += len(got[1])
+            mapped["most"] = max(mapped["most"], mapped["now"])
+        return got
+
+    def watched_unmap(mapping):
+        mapped["now"] -= len(mapping)
+        store_unmap(mapping)
+
+    optimizer_store.map, optimizer_store.unmap = watched_map, watched_unmap
     try:
         _step(model, opt, 0)  # the warm-up: the optimizer's state made, the order of the units recorded
         params, optimizer = sharded.store.disk, opt.stepper.store
@@ -85,7 +101,7 @@ def measured(tmp_path_factory):
         "on_disk": now["on_disk"], "optimizer_store": bytes_needed(optimizer.sizes),
         "files": sum(p.stat().st_size for p in files), "traffic": traffic, "held": held, "now": now,
         "buckets": sharded.reducer.peak_bucket_bytes,
-        "engine": sum(t.nbytes for chunk in engine._buffers for t in chunk.values())
+        "engine": mapped["most"] + sum(t.nbytes for chunk in engine._buffers or [] for t in chunk.values())
         + sum(t.nbytes for t in [*engine._grad_buffers.values(), *engine._param_buffers.values()])
         + sum(link.grad32.nbytes for link in engine._links.values() if link.grad32 is not None),
         "persistent_grads": sum(p.grad.numel() * p.grad.element_size() for p in sharded.persistent

@@ -29,7 +29,10 @@ One step of a flat group's shard, chunk by chunk:
   the state, the gradients and the parameters all in RAM, the whole shard in one call. The same
   bits as the path above, which runs where the kernel cannot be built.
 - Disk store: a reader thread loads chunk i+1 and a writer thread writes chunk i-1 back while
-  chunk i is stepped; `buffer_count` sets of chunk buffers are all the RAM it costs.
+  chunk i is stepped; `buffer_count` chunks in flight are all the RAM it costs. A chunk is its
+  files' page-cache pages, mapped and stepped in place, not a copy ([Note: stepping on mapped
+  pages] in store.py; `TRAINER_SHARD_NO_MMAP=1`, or a chunk size that is not a whole number of
+  pages, reads and writes copies in `buffer_count` sets of chunk buffers instead).
 - CUDA: gradients come to pinned staging buffers and updated parameters go back on a side
   stream, so host-device copies overlap the CPU step (see `_DeviceLink`).
 """
@@ -37,6 +40,8 @@ One step of a flat group's shard, chunk by chunk:
 import inspect
 import logging
 import math
+import mmap
+import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -77,6 +82,8 @@ class OffloadSpec:
 
 
 _FUSED_ON_CPU = ("Adam", "AdamW")
+NO_MMAP_ENV = "TRAINER_SHARD_NO_MMAP"  # "1": the disk store's chunks are read and written as copies
+_MAPS = "maps"  # a mapped chunk's entry: the mappings to give back once it is written
 
 
 def per_element_state(optim_class, defaults: dict) -> list:
@@ -194,6 +201,7 @@ class OffloadEngine:
         self._buffers = None  # disk store: `buffer_count` sets of chunk buffers, made at the first step
         self._grad_buffers = {}  # (slot, dtype) -> a chunk buffer for gradients read from a store
         self._param_buffers = {}  # (slot, dtype) -> a chunk of updated 16-bit parameters being written to one
+        self._flusher = None  # disk store: the thread that starts the write-back of each chunk written
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -212,10 +220,11 @@ class OffloadEngine:
             if self.spec.device == "nvme":
                 self.store = DiskStore(sizes, self.spec.nvme_path, rank=self.rank)
                 self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainer_shard-offload")
+                self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-flush")
                 logger.info("offload: %s bytes of shard state on disk in %s", f"{bytes_needed(sizes):,}", self.store.folder)
             else:
                 self.store = CpuStore(sizes, pin_memory=self.spec.pin_memory)
-            self._finalizer = weakref.finalize(self, _close, self.store, self._io)
+            self._finalizer = weakref.finalize(self, _close, self.store, self._io, self._flusher)
         else:
             self.store.add(sizes)
 
@@ -278,7 +287,8 @@ class OffloadEngine:
             return (first + i) % slots
 
         if disk:
-            self._ensure_chunk_buffers()
+            if not self._mapped():
+                self._ensure_chunk_buffers()
             writes = carry.writes if carry is not None else {}
             if carry is not None and carry.read is not None:
                 reads = {0: carry.read}
@@ -456,9 +466,21 @@ class OffloadEngine:
             n = self.spec.chunk_numel
             self._buffers = [{name: torch.empty(n) for name in self.names} for _ in range(self.spec.buffer_count)]
 
+    def _mapped(self) -> bool:
+        """Whether the disk store's chunks are stepped on their mapped pages (every chunk starts
+        on a page boundary of the store's fp32 files, and `TRAINER_SHARD_NO_MMAP` is not set)."""
+        aligned = self.spec.chunk_numel * 4 % mmap.ALLOCATIONGRANULARITY == 0
+        return aligned and os.environ.get(NO_MMAP_ENV) != "1"
+
     def _read(self, index: int, start: int, end: int, slot: int) -> dict:
-        buffers = self._buffers[slot]
-        chunk = {name: self.store.read(self._key(index, name), start, buffers[name][: end - start]) for name in self.names}
+        if self._mapped():
+            mapped = {name: self.store.map(self._key(index, name), start, end - start) for name in self.names}
+            chunk = {name: tensor for name, (tensor, _) in mapped.items()}
+            chunk[_MAPS] = [mapping for _, mapping in mapped.values()]
+        else:
+            buffers = self._buffers[slot]
+            chunk = {name: self.store.read(self._key(index, name), start, buffers[name][: end - start])
+                     for name in self.names}  # fmt: skip
         if self.flats[index].grad_stored:
             chunk["grad"] = self._read_grad(self.flats[index], start, end, slot)
         return chunk
@@ -471,8 +493,20 @@ class OffloadEngine:
         return flat.read_grad(start, self._grad_buffers[key][: end - start])
 
     def _write(self, index: int, start: int, chunk: dict, flat=None, params=None) -> None:
+        """Chunk `chunk` of flat `index` back to the store, and its write-back to the disk started:
+        see [Note: stepping on mapped pages] in store.py."""
+        maps = chunk.pop(_MAPS, None)
+        numel = chunk[self.names[0]].numel()
+        if maps is not None:  # stepped in place: the pages go back, the views of them first
+            for name in self.names:
+                del chunk[name]
+            for mapping in maps:
+                self.store.unmap(mapping)
+        else:
+            for name in self.names:
+                self.store.write(self._key(index, name), start, chunk[name])
         for name in self.names:
-            self.store.write(self._key(index, name), start, chunk[name])
+            self._flusher.submit(self.store.flush, self._key(index, name), start, numel)
         if params is not None:
             flat.write_shard(start, params)
 
@@ -515,9 +549,10 @@ class OffloadEngine:
             self._finalizer()
 
 
-def _close(store, io) -> None:
-    if io is not None:
-        io.shutdown(wait=True)
+def _close(store, io, flusher=None) -> None:
+    for pool in (io, flusher):
+        if pool is not None:
+            pool.shutdown(wait=True)
     store.close()
 
 
