@@ -117,8 +117,9 @@ def disk_lines(results: dict, bandwidth: dict | None) -> list:
     rows = [row for row in ("disk", "disk_copies") if row in results and "skipped" not in results[row]]
     if not rows or not bandwidth:
         return []
+    written = "an overwrite, fsync'd, as the store's steps" if bandwidth.get("overwrite") else "fsync'd, a new file"
     lines = ["", f"Disk under the store, measured in this run (bench/infinity.py's `disk_bandwidth`, "
-             f"{bandwidth['bytes'] / 2**30:.0f} GiB): write {bandwidth['write'] / 1e9:.2f} GB/s (fsync'd), read "
+             f"{bandwidth['bytes'] / 2**30:.0f} GiB): write {bandwidth['write'] / 1e9:.2f} GB/s ({written}), read "
              f"{bandwidth['read'] / 1e9:.2f} GB/s (page cache dropped). Bytes a step: what the process read from and "
              "wrote to storage (/proc/self/io, median over the timed steps; a page the step dirtied counts when the "
              "kernel writes it back). The disk's cost to the step: the row's step time minus the CPU-offload row's. "
@@ -223,7 +224,7 @@ def main() -> None:
         results, train_command = previous["train"], previous.get("train_command", "python bench/offload.py")
     bandwidth = None
     if not args.adam_only and any(row.startswith("disk") for row in args.rows):
-        bandwidth = disk_bandwidth(WORK / "disk_bandwidth")  # the disk under the store, in this invocation
+        bandwidth = disk_bandwidth(WORK / "disk_bandwidth", overwrite=True)  # the disk under the store, in this invocation
         print("disk", json.dumps(bandwidth), flush=True)
     rounds = {}
     order = [] if args.adam_only else list(args.rows)

@@ -244,19 +244,14 @@ class DiskStore:
             pass
         self._count("write", nbytes, began)
 
-    def flush(self, name: str | None = None, start: int = 0, numel: int = 0) -> None:
-        """Start writing back the dirty pages of elements [start, start + numel) of `name` (numel 0:
-        to its end), or of every file, without waiting for it (Linux
-        `sync_file_range(SYNC_FILE_RANGE_WRITE)`; nothing elsewhere, and nothing on an error: the
-        kernel writes them back anyway)."""
-        if _sync_file_range is None:
-            return
-        if name is None:
-            for fd in list(self._fds.values()):
-                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-            return
-        size = _numel_dtype(self.sizes[name])[1].itemsize
-        _sync_file_range(self._fds[name], start * size, numel * size, _SYNC_FILE_RANGE_WRITE)
+    def flush(self, name: str, start: int, numel: int) -> None:
+        """Start writing back the dirty pages of elements [start, start + numel) of `name`, without
+        waiting for it (Linux `sync_file_range(SYNC_FILE_RANGE_WRITE)`; nothing elsewhere, nothing
+        on an error, and nothing once the store is closed: the kernel writes them back anyway)."""
+        fd = self._fds.get(name)
+        if _sync_file_range is not None and fd is not None:
+            size = _numel_dtype(self.sizes[name])[1].itemsize
+            _sync_file_range(fd, start * size, numel * size, _SYNC_FILE_RANGE_WRITE)
 
     def _count(self, what: str, nbytes: int, began: float) -> None:
         with self._stats_lock:  # reader and writer threads both count
