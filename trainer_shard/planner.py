@@ -90,9 +90,9 @@ NAMED = {  # T5 architectures, built on the meta device: no download, no weights
 STATE_TENSORS = 2  # AdamW's exp_avg and exp_avg_sq
 PROBE_TIMEOUT_S = 1800  # the longest one memory probe may take (a subprocess); up to two a run
 ENGINE_BUFFERS = 4  # the offload engine's sets of chunk buffers (OffloadSpec.buffer_count's default)
-# the disk store's chunks in RAM: its chunk buffers, and at most one chunk more than those mapped
-# ([Note: stepping on mapped pages] in offload/store.py)
-DISK_BUFFERS = (2 * ENGINE_BUFFERS + 1) * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4
+# the disk store's chunks in RAM: on mapped pages, at most one more than its sets of chunk buffers,
+# which it then does not make ([Note: stepping on mapped pages] in offload/store.py)
+DISK_BUFFERS = (ENGINE_BUFFERS + 1) * CHUNK_NUMEL * (1 + STATE_TENSORS) * 4
 # The parameter store `--sharded_ddp auto` opens for disk_params (with nvme_path under output_dir):
 # DeepSpeed's buffer_count, and no parameter kept in RAM (DeepSpeed's max_in_cpu 1e9 would keep a
 # small model's shards whole in RAM, out of this row's arithmetic, when nothing else fitted it).

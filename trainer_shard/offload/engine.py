@@ -485,6 +485,10 @@ class OffloadEngine:
             chunk["grad"] = self._read_grad(self.flats[index], start, end, slot)
         return chunk
 
+    def _flush(self, index: int, start: int, numel: int) -> None:
+        for name in self.names:
+            self.store.flush(self._key(index, name), start, numel)
+
     def _read_grad(self, flat, start: int, end: int, slot: int) -> torch.Tensor:
         """A gradient chunk of a flat that keeps its gradients in its own store (ZeRO-3, on disk)."""
         key = (slot, flat.grad.dtype)
@@ -505,8 +509,7 @@ class OffloadEngine:
         else:
             for name in self.names:
                 self.store.write(self._key(index, name), start, chunk[name])
-        for name in self.names:
-            self._flusher.submit(self.store.flush, self._key(index, name), start, numel)
+        self._flusher.submit(self._flush, index, start, numel)
         if params is not None:
             flat.write_shard(start, params)
 

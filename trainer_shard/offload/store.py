@@ -40,11 +40,12 @@ outlives the process that made it except after SIGKILL:
 
 [Note: stepping on mapped pages] The offload step reads every byte of the master weights and
 moments and writes every byte back. Through `pread`/`pwrite` that is two copies between the page
-cache and a buffer (bench/offload.py, t5-large: 17.7 GB a step, most of two cores' time beside
-the step on a 2-core machine). `map` gives the step a chunk's own page-cache pages instead (a
+cache and a buffer (t5-large: 17.7 GB a step; by hand, vmstat showed 60% of 2 cores in the
+kernel while it stepped). `map` gives the step a chunk's own page-cache pages instead (a
 shared mapping of its file range, populated on the reader thread), the optimizer updates them in
-place, and `unmap` hands them back dirty: no copy, and the kernel writes them back. Only a chunk's
-worth is mapped at a time, so the mapped pages count in RSS as the buffers did.
+place, and `unmap` hands them back dirty: no copy, and the kernel writes them back. Only the
+chunks in flight are mapped (at most one more than `buffer_count`), so the mapped pages count in
+RSS as the chunk buffers did, which are then not made.
 
 Either way a step writes the whole state, and the disk's write bandwidth bounds it: the kernel
 lets a process dirty a share of RAM (`vm.dirty_background_ratio`, `vm.dirty_ratio`) and then
@@ -219,12 +220,14 @@ class DiskStore:
     def map(self, name: str, start: int, numel: int):
         """Elements [start, start + numel) of `name` as a tensor on the file's page-cache pages,
         read in (`MAP_POPULATE`) before it returns, with the mapping to give to `unmap`: (tensor,
-        mapping); None where the range does not start on a page boundary (use `read`/`write`).
-        Writes to the tensor are writes to the file. See [Note: stepping on mapped pages]."""
+        mapping). The range must start on a page boundary and hold an element at least (else
+        `read`/`write` it). Writes to the tensor are writes to the file. See [Note: stepping on
+        mapped pages]."""
         dtype = _numel_dtype(self.sizes[name])[1]
         offset, nbytes = start * dtype.itemsize, numel * dtype.itemsize
         if offset % mmap.ALLOCATIONGRANULARITY or not nbytes:
-            return None
+            raise ValueError(f"cannot map {nbytes} bytes at byte {offset} of {name}: not a page-aligned, "
+                             "non-empty range")
         began = time.perf_counter()
         try:
             mapping = mmap.mmap(self._fds[name], nbytes, flags=mmap.MAP_SHARED | _POPULATE, offset=offset)
