@@ -173,6 +173,9 @@ def test_damaged_checkpoint_is_refused_by_name(two_rank_run, tiny_model, tiny_da
     assert "checkpoint-4/model.safetensors' is corrupt" in proc.stderr
     shutil.rmtree(out / "checkpoint-4" / state_io.FOLDER)
     (out / "checkpoint-4" / "checkpoint_manifest.json").unlink()
+    proc = run_script(resume, nproc=1)  # this project wrote it (its training_args.bin says so): no manifest, refused
+    assert proc.returncode != 0 and "cannot be resumed: it has no checkpoint_manifest.json" in proc.stderr
+    (out / "checkpoint-4" / "training_args.bin").unlink()  # now it could be a plain Trainer's: resumed unchecked
     proc = run_script(resume, nproc=1)
     assert proc.returncode != 0 and "holds no optimizer state" in proc.stderr
 

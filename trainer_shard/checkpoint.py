@@ -77,10 +77,19 @@ class Chunked:
 def save_safetensors(tensors: dict, path, metadata: dict | None = None, per_tensor: bool = False) -> dict:
     """Write `tensors` (tensors or `Chunked`) to `path` in safetensors format, one at a time,
     copying none of them (a CPU tensor is written from its own memory, a `Chunked` through one
-    chunk buffer). Written to `path.tmp`, then renamed. Returns {"bytes", "crc32"} of the file,
-    and with `per_tensor` "tensors": {name: {"dtype", "shape", "crc32"}}, the CRC-32 of each
+    chunk buffer). Written to `path.tmp`, fsynced, then renamed. Returns {"bytes", "crc32"} of the
+    file, and with `per_tensor` "tensors": {name: {"dtype", "shape", "crc32"}}, the CRC-32 of each
     tensor's bytes (what a checkpoint's manifest records of its weights, whatever files they are
     later split into); both come from one pass over the bytes."""
+    tmp = Path(f"{path}.tmp")
+    written = write_safetensors(tensors, tmp, metadata, per_tensor)
+    os.replace(tmp, path)  # a save that fails half-way leaves the previous file in place
+    return written
+
+
+def write_safetensors(tensors: dict, path, metadata: dict | None = None, per_tensor: bool = False) -> dict:
+    """`save_safetensors` straight into `path`, fsynced, with no rename; a write that fails
+    (a full disk) removes what it wrote."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
@@ -92,10 +101,10 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None, per_tens
         header["__metadata__"] = metadata
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    tmp = Path(f"{path}.tmp")
+    path = Path(path)
     crcs = {}
     try:
-        with open(tmp, "wb") as f:
+        with open(path, "wb") as f:
             crc = _Crc(f)
             crc.write(struct.pack("<Q", len(encoded)))
             crc.write(encoded)
@@ -104,9 +113,8 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None, per_tens
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        path.unlink(missing_ok=True)  # a full disk leaves no partial file behind
         raise
-    os.replace(tmp, path)  # a save that fails half-way leaves the previous file in place
     written = {"bytes": crc.bytes, "crc32": crc.value}
     if per_tensor:
         written["tensors"] = {name: {**{k: header[name][k] for k in ("dtype", "shape")}, "crc32": crcs[name]}
@@ -317,21 +325,82 @@ def _unreadable(problem: str) -> CheckpointError:
 
 def save_model(model, output_dir, max_shard_size: int = 5 * 10**9) -> dict:
     """The weights (model.safetensors, or files of at most `max_shard_size` bytes and their
-    index) and the configuration files `from_pretrained` reads. Returns {file: {"bytes", "crc32"}}
-    of the weights files."""
+    index) and the configuration files `from_pretrained` reads, each replaced in place only once
+    its new version is written (see [Note: saving weights in place]). Returns {file: {"bytes",
+    "crc32"}} of the weights files."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(output_dir)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(output_dir)
-    return save_sharded(unique_state_dict(model), output_dir, max_shard_size)
+    files = save_sharded(unique_state_dict(model), output_dir, max_shard_size)
+    save_configs(model, output_dir)
+    return files
+
+
+def save_configs(model, output_dir) -> None:
+    """config.json, and generation_config.json when the model generates, into `output_dir`: written
+    in a temporary folder there, fsynced, then renamed over the previous ones (a failed write
+    leaves those as they were)."""
+    output_dir = Path(output_dir)
+    tmp = output_dir / ".trainer_shard-config.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(tmp)
+        for path in sorted(tmp.iterdir()):
+            _fsync(path)
+            os.replace(path, output_dir / path.name)
+        _fsync(output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# [Note: saving weights in place]
+# A model folder is saved over in place (`save_model`, `consolidate OUT`, ZeRO-3's weights), and
+# a save may fail half-way (a full disk). So nothing is removed first: every new weights file is
+# written under a temporary name (its own name + ".tmp") in the same folder and fsynced; a
+# failure removes these and leaves the previous model as it was. Then they are renamed into
+# place, the index last, and the folder fsynced; only then are the weights files of the previous
+# save that the new layout does not name removed (model.safetensors last: `from_pretrained` reads
+# it whenever it is there, so until then it still reads the previous model whole). Only files of
+# exactly the shapes written here are ever removed: model.safetensors, model-NNNNN-of-NNNNN
+# .safetensors, model.safetensors.index.json (and their ".tmp", left by a killed save); a user's
+# model_ema.safetensors stays. One window remains: a split saved over a split of the same number
+# of files replaces them one rename at a time (no write can fail there, but a crash in it leaves
+# a mix).
+
+_OWN_WEIGHTS = re.compile(r"(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)"
+                          r"(\.tmp)?")
 
 
 def save_sharded(tensors: dict, out, limit: int) -> dict:
     """`out/model.safetensors`, or several files of at most `limit` bytes (a bigger tensor alone)
-    with `model.safetensors.index.json`, the layout `from_pretrained` reads a file at a time.
-    Returns {file name: {"bytes", "crc32", "tensors"}} (see `save_safetensors`)."""
+    with `model.safetensors.index.json`, the layout `from_pretrained` reads a file at a time,
+    saved over a previous model in place (see [Note: saving weights in place]). Returns
+    {file name: {"bytes", "crc32", "tensors"}} (see `save_safetensors`)."""
     out = Path(out)
+    groups = _split(tensors, limit)
+    names = [WEIGHTS] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+                                                  for i in range(len(groups))]  # fmt: skip
+    staged, files = [], {}
+    try:
+        for name, group in zip(names, groups):
+            staged.append(out / f"{name}.tmp")
+            files[name] = write_safetensors(group, staged[-1], {"format": "pt"}, True)
+        if len(groups) > 1:
+            staged.append(out / f"{WEIGHTS_INDEX}.tmp")
+            _write_synced(staged[-1], json.dumps(_index(groups, names), indent=2))
+        for tmp in staged:  # the index last: it names only files already in place
+            os.replace(tmp, tmp.with_suffix(""))
+    finally:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)  # nothing left when it failed; already renamed when it did not
+    _fsync(out)
+    _remove_stale_weights(out, {tmp.with_suffix("").name for tmp in staged})
+    return files
+
+
+def _split(tensors: dict, limit: int) -> list:
+    """`tensors` in order, in groups of at most `limit` bytes (a bigger tensor alone)."""
     groups, current, size = [], {}, 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * _itemsize(tensor.dtype)
@@ -341,19 +410,31 @@ def save_sharded(tensors: dict, out, limit: int) -> dict:
         current[name] = tensor
         size += nbytes
     groups.append(current)
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)  # a previous save with another split
-    if len(groups) == 1:
-        return {"model.safetensors": save_safetensors(groups[0], out / "model.safetensors", {"format": "pt"}, True)}
-    files, weight_map = {}, {}
-    for i, group in enumerate(groups):
-        filename = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        files[filename] = save_safetensors(group, out / filename, {"format": "pt"}, True)
-        weight_map.update({name: filename for name in group})
+    return groups
+
+
+def _index(groups: list, names: list) -> dict:
     total = sum(t.numel() * _itemsize(t.dtype) for group in groups for t in group.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return files
+    weight_map = {tensor: name for name, group in zip(names, groups) for tensor in group}
+    return {"metadata": {"total_size": total}, "weight_map": weight_map}
+
+
+def _remove_stale_weights(out: Path, keep: set) -> None:
+    """The weights files (of the shapes this module writes, see `_OWN_WEIGHTS`) in `out` that are
+    not in `keep`: a previous save's other split. model.safetensors last."""
+    stale = sorted((p for p in out.iterdir() if p.name not in keep and _OWN_WEIGHTS.fullmatch(p.name) and p.is_file()),
+                   key=lambda p: p.name == WEIGHTS)  # fmt: skip
+    for path in stale:
+        path.unlink(missing_ok=True)
+    if stale:
+        _fsync(out)
+
+
+def _write_synced(path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def check_writable(folder, needed: int, what: str, purpose: str = "") -> None:
@@ -409,7 +490,7 @@ def write_manifest(folder, known: dict | None = None) -> None:
         files[name] = {"bytes": entry["bytes"], "crc32": entry["crc32"]}
     manifest = {"files": files, **({"weights": weights} if weights else {})}
     tmp = folder / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
+    _write_synced(tmp, json.dumps(manifest, indent=1))
     os.replace(tmp, folder / MANIFEST)
 
 
@@ -522,15 +603,26 @@ def _tensor_problem(f: "SafetensorsFile", tensor: str, saved: dict | None, check
 
 
 def publish(staging, final) -> None:
-    """Rename a complete checkpoint folder into place; a folder already there (the same step saved
-    again) is replaced only once the new one is complete."""
+    """Rename a complete checkpoint folder into place, durably: every file and folder in it is
+    fsynced first (`fsync_tree`) and the folders it is renamed between after, so that once this
+    returns a crash or power loss finds the checkpoint whole (and only then may older ones be
+    rotated away). A folder already there (the same step saved again) is moved aside to
+    `staging` + ".old" and removed once the new one is in place: put back when the second rename
+    fails, and after a crash between the two `finish_publish` puts one of them back."""
     staging, final = Path(staging), Path(final)
+    fsync_tree(staging)
     old = staging.with_name(staging.name + ".old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
-    os.replace(staging, final)
-    _fsync_dir(final.parent)
+        _fsync(old.parent)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if old.is_dir() and not final.exists():
+            os.replace(old, final)  # an error, not a crash: the published one back in place
+        raise
+    _fsync(final.parent)
     shutil.rmtree(old, ignore_errors=True)
     try:
         staging.parent.rmdir()  # the staging folder itself, when nothing else is in it
@@ -538,7 +630,35 @@ def publish(staging, final) -> None:
         pass
 
 
-def _fsync_dir(path) -> None:
+def finish_publish(run_dir) -> list:
+    """After a crash between `publish`'s two renames (`run_dir/checkpoint-N` moved aside to
+    `.checkpoint-staging/checkpoint-N.old`, the new one not yet renamed into its place): put a
+    complete one in its place, the new one when its manifest was written (`publish` runs only
+    after it, and fsyncs it first), else the one moved aside. Returns the folders put back."""
+    staging_root = Path(run_dir) / STAGING
+    restored = []
+    for old in sorted(staging_root.glob("*.old")) if staging_root.is_dir() else []:
+        final = Path(run_dir) / old.name.removesuffix(".old")
+        if final.exists() or not old.is_dir():
+            continue
+        new = staging_root / final.name
+        os.replace(new if (new / MANIFEST).is_file() else old, final)
+        _fsync(run_dir)
+        restored.append(final)
+    return restored
+
+
+def fsync_tree(folder) -> None:
+    """fsync every file and folder under `folder`, each folder after what it holds, `folder` last:
+    its files' data and their names in their folders are then on the disk."""
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _fsync(path) -> None:
+    """fsync a file or a folder (its entries) by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -19,6 +19,7 @@ the param groups, by parameter name, in its metadata.
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -142,17 +143,26 @@ def _scratch(numel: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def _copy_side_files(checkpoint: Path, out: Path, dtype) -> None:
-    """config.json (its dtype set to the output's), generation config, tokenizer files."""
+    """config.json (its dtype set to the output's), generation config, tokenizer files; each
+    copied to a temporary name and renamed over the one in `out` (a failed copy leaves it)."""
     for path in checkpoint.iterdir():
         if path.is_file() and not _NOT_COPIED.match(path.name):
-            shutil.copy2(path, out / path.name)
-    config = out / "config.json"
-    if config.is_file():
-        values = json.loads(config.read_text())
-        for key in ("dtype", "torch_dtype"):
-            if key in values:
-                values[key] = str(dtype).removeprefix("torch.")
-        config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+            tmp = out / f"{path.name}.tmp"
+            try:
+                shutil.copy2(path, tmp)
+                if path.name == "config.json":
+                    _set_dtype(tmp, dtype)
+                os.replace(tmp, out / path.name)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+
+def _set_dtype(config: Path, dtype) -> None:
+    values = json.loads(config.read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in values:
+            values[key] = str(dtype).removeprefix("torch.")
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def _write_optimizer(sources, index: dict, out: Path) -> None:

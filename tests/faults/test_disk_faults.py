@@ -118,3 +118,34 @@ def test_a_disk_store_that_fails_mid_run_names_the_file(tmp_path):
         store.write("0.master", 10, torch.ones(100))
     store.close()
 
+
+
+SAVE_ON_A_FULL_DISK = """
+import errno, os, sys, torch
+from safetensors.torch import save_file
+from trainer_shard.checkpoint import save_sharded
+out = sys.argv[1]
+os.makedirs(out)
+save_sharded({"w": torch.full((64 * 1024,), 1.0)}, out, 10**9)  # 256 KiB
+save_file({"ema": torch.ones(64 * 1024)}, os.path.join(out, "model_ema.safetensors"))  # a user's own, 256 KiB
+try:
+    save_sharded({"w": torch.full((320 * 1024,), 2.0)}, out, 10**9)  # 1.25 MiB: more than the disk
+except OSError as e:
+    print("save failed:", e)
+    sys.exit(7 if e.errno == errno.ENOSPC else 1)
+"""
+
+
+@needs_namespaces
+def test_a_save_on_a_full_disk_keeps_the_previous_model_and_the_users_files(tmp_path):
+    """A real 1 MiB tmpfs: the new weights do not fit; the previous model and the user's
+    model_ema.safetensors are still there, whole, with no temporary file beside them."""
+    from safetensors.torch import load_file
+
+    mnt, after = tmp_path / "mnt", tmp_path / "after"
+    [(code, log)] = on_tmpfs(mnt, "1m", [[sys.executable, "-c", SAVE_ON_A_FULL_DISK, mnt / "out"]], copy_to=after)
+    assert code == 7 and "No space left on device" in log, log[-3000:]
+    out = after / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "model_ema.safetensors"]
+    assert load_file(out / "model.safetensors")["w"].eq(1.0).all()
+    assert load_file(out / "model_ema.safetensors")["ema"].eq(1.0).all()

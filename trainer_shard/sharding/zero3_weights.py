@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import Chunked, SafetensorsFile, current_weights, save_sharded, unique_state_dict
+from ..checkpoint import Chunked, SafetensorsFile, current_weights, save_configs, save_sharded, unique_state_dict
 from ..errors import CheckpointError
 
 
@@ -84,10 +84,8 @@ def save_weights(sharded, output_dir, max_shard_size: int, write: bool) -> dict 
         if write:
             output_dir = Path(output_dir)
             output_dir.mkdir(parents=True, exist_ok=True)
-            model.config.save_pretrained(output_dir)
-            if getattr(model, "generation_config", None) is not None and model.can_generate():
-                model.generation_config.save_pretrained(output_dir)
             files = save_sharded(_ordered_tensors(sharded, cursor), output_dir, max_shard_size)
+            save_configs(model, output_dir)
     finally:
         cursor.finish()  # also after a failed write: the others are waiting in these gathers
     return files

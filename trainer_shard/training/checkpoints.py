@@ -4,7 +4,10 @@
 rank's optimizer shard next to it (`optimizer_shards/`, see sharding/state_io.py); it resumes from
 such a folder at any world size, stage or offload, or without sharding. Every checkpoint is
 written under `.checkpoint-staging/` and renamed into place once all ranks have finished, with a
-manifest of its files' sizes and CRC-32s that resuming checks first.
+manifest of its files' sizes and CRC-32s that resuming checks first (a checkpoint of this project
+without one is refused: `missing_manifest`). Every file and folder of it is fsynced before the
+rename, and the rename before older checkpoints are rotated away (checkpoint.publish); a crash
+between publish's two renames is repaired by the next start (`clear_staging`).
 
     save = StagedSave(run_dir, step, args, size, last)   # one checkpoint; the Trainer writes into
     save.begin()                                         # save.staging, then:
@@ -31,22 +34,27 @@ import shutil
 import socket
 import uuid
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
-from transformers.trainer import OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import (OPTIMIZER_NAME, OPTIMIZER_NAME_BIN, SCHEDULER_NAME, TRAINER_STATE_NAME,
+                                  TRAINING_ARGS_NAME)
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from .. import comm, faults
-from ..checkpoint import STAGING, manifest_problems, publish, write_manifest
+from ..checkpoint import MANIFEST, STAGING, finish_publish, manifest_problems, publish, write_manifest
 from ..disk import describe_write_error, format_bytes, is_write_error
 from ..errors import CheckpointError
 from ..sharding import state_io
 
 
 def clear_staging(output_dir) -> None:
-    """Remove what a run killed while saving left in `output_dir/.checkpoint-staging`."""
+    """Remove what a run killed while saving left in `output_dir/.checkpoint-staging`; first put
+    back a checkpoint a crash in the middle of `publish` left there (`finish_publish`)."""
+    for restored in finish_publish(output_dir):
+        warnings.warn(f"{str(restored)!r} was put back in place: the run that saved it stopped while publishing it")
     shutil.rmtree(os.path.join(output_dir, STAGING), ignore_errors=True)
 
 
@@ -204,18 +212,52 @@ def load_scheduler(checkpoint, scheduler) -> None:
 
 
 def check_manifest(checkpoint, args) -> None:
-    """Check `checkpoint` against its manifest before loading. The ranks that read one copy share
+    """Check `checkpoint` against its manifest before loading; refuse one of this project's
+    checkpoints that has none (`missing_manifest`). The ranks that read one copy share
     the CRC work: all of them, or with --save_on_each_node each node's own ranks, its copy.
     Collective when there are several ranks: every rank raises the same error."""
     rank, world_size = args.process_index, args.world_size
     if getattr(args, "save_on_each_node", False):
         rank, world_size = args.local_process_index, local_world_size(args)
-    problems = manifest_problems(checkpoint, rank, world_size)
+    problems = missing_manifest(checkpoint) or manifest_problems(checkpoint, rank, world_size)
     if args.world_size > 1:
         problems = sorted({p for found in comm.all_gather_objects(problems) for p in found})
     if problems:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} cannot be resumed: " + "; ".join(problems)
                               + ". Resume from an earlier checkpoint")  # fmt: skip
+
+
+def missing_manifest(checkpoint) -> list:
+    """[the problem] when `checkpoint` is this project's and has no manifest; else []. Every
+    checkpoint this project publishes has one, so a missing one was removed, or never reached the
+    disk (a crash or power loss right after the save, by a version that did not fsync it). A
+    plain Trainer's checkpoint has none and resumes unchecked, as it does in the Trainer: see
+    `made_here` for how the two are told apart."""
+    if (Path(checkpoint) / MANIFEST).is_file():
+        return []
+    sign = made_here(checkpoint)
+    if sign is None:
+        return []
+    return [f"it has no {MANIFEST}, yet trainer_shard saved it ({sign}) and writes one into every checkpoint: the "
+            "file was removed, or the save never reached the disk (a crash or power loss right after it), so nothing "
+            "says its files are whole (if you trust its weights, they can start a new run: --model_name_or_path "
+            f"{str(checkpoint)!r})"]  # fmt: skip
+
+
+def made_here(checkpoint) -> str | None:
+    """How `checkpoint` shows it was saved by this project: its optimizer_shards/ folder (no other
+    trainer writes one), or its training_args.bin pickling this project's arguments (read as
+    bytes, never unpickled); None for a plain Trainer's checkpoint."""
+    folder = Path(checkpoint)
+    if (folder / state_io.FOLDER).is_dir():
+        return f"it holds {state_io.FOLDER}/"
+    path = folder / TRAINING_ARGS_NAME
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickled = b"".join(archive.read(n) for n in archive.namelist() if n.endswith("data.pkl"))
+    except (OSError, zipfile.BadZipFile):
+        return None
+    return f"its {TRAINING_ARGS_NAME} holds trainer_shard's arguments" if b"trainer_shard." in pickled else None
 
 
 def local_world_size(args) -> int:
