@@ -35,7 +35,7 @@ def problems(tmp_path, data, **kwargs):
     [
         ("{'single': 'quotes'}", "$", "not valid JSON"),
         ('{"a": 1,}', "$", "line 1, column"),
-        ('{"gradient_clipping": NaN}', "$", "NaN is not a number JSON allows"),
+        ('{"gradient_clipping": NaN}', "$.gradient_clipping", "NaN is not a number JSON allows"),
         ({"steps_per_prnt": 10}, "$.steps_per_prnt", "unknown key (did you mean steps_per_print?)"),
         ({"zero_optimization": {"offload_optimizer": {"devise": "cpu"}}},
          "$.zero_optimization.offload_optimizer.devise", "allowed here: device, nvme_path"),
@@ -45,7 +45,12 @@ def problems(tmp_path, data, **kwargs):
         ({"zero_optimization": {"stage": "auto"}}, "$.zero_optimization.stage", '"auto" is not allowed here'),
         ({"zero_optimization": {"overlap_comm": "yes"}}, "$.zero_optimization.overlap_comm", "true or false"),
         ({"zero_optimization": {"contiguous_gradients": False}}, "$.zero_optimization.contiguous_gradients", "must be true"),
-        ({"zero_optimization": {"reduce_bucket_size": 1e400}}, "$", "Infinity is not a number JSON allows"),
+        ({"zero_optimization": {"reduce_bucket_size": 1e400}}, "$.zero_optimization.reduce_bucket_size",
+         "Infinity is not a number JSON allows"),
+        ('{"optimizer": {"params": {"betas": [0.9, -Infinity]}}}', "$.optimizer.params.betas[1]",
+         "-Infinity is not a number JSON allows"),
+        ({"max_memory": {"cpu": "5iB"}}, "$.max_memory", '"cpu": must be a size such as 2GiB, 500MB or a number of '
+         "bytes (units: B; KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024), got \"5iB\""),
         ({"zero_optimization": {"reduce_bucket_size": 0}}, "$.zero_optimization.reduce_bucket_size", ">= 1"),
         ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
          "$.zero_optimization.offload_optimizer.device", "one of none, cpu, nvme"),
@@ -100,6 +105,52 @@ def test_every_problem_at_once(tmp_path):
     assert message.startswith(f"offload config {tmp_path / 'c.json'}: 5 problems")
 
 
+def test_non_finite_numbers_are_named_at_their_keys(tmp_path):
+    """NaN and Infinity (which JSON does not allow, and json reads) are each named at their key,
+    not at the file: every one of them, with a duplicate key in the same report; many are counted."""
+    text = ('{"gradient_clipping": NaN, "steps_per_print": 1, "steps_per_print": 2, '
+            '"optimizer": {"params": {"betas": [Infinity, 0.9]}}, "zero_optimization": {"stage": -Infinity}}')
+    found, _ = problems(tmp_path, text)
+    assert set(found) == {"$", "$.gradient_clipping", "$.optimizer.params.betas[0]", "$.zero_optimization.stage"}
+    assert "written twice" in found["$"] and found["$.zero_optimization.stage"].startswith("-Infinity is not a number")
+    found, _ = problems(tmp_path, '{"x": [' + ", ".join(["NaN"] * 9) + "]}")
+    assert list(found) == [f"$.x[{i}]" for i in range(5)] + ["$"] and "4 more NaN or Infinity" in found["$"]
+
+
+def test_sizes_name_their_accepted_forms():
+    from trainer_shard.config.load import parse_size
+
+    assert [parse_size(s) for s in ("5GB", "2GiB", "5 kib", "7B", "1.5MB", "100", 12)] == [
+        5 * 10**9, 2 * 2**30, 5 * 1024, 7, 1_500_000, 100, 12]  # fmt: skip
+    for bad in ("5iB", "5iKB", "GB", "5 XB", ""):
+        with pytest.raises(ValueError, match=r"units: B; KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB"):
+            parse_size(bad)
+
+
+def test_store_folders_are_resolved_once_at_validation(tmp_path, monkeypatch, capsys):
+    """nvme_path "~/nvme" is the home folder's (it made a folder named "~"), and a relative one is
+    taken from the working folder of the validation, whatever folder the ranks are in later;
+    validate-config shows both resolved."""
+    from trainer_shard.cli import main
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    data = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "~/nvme"},
+                                  "offload_param": {"device": "nvme", "nvme_path": "params/../store"}}}  # fmt: skip
+    config = load_config(write(tmp_path, data))
+    assert config.nvme_path == str(home / "nvme")
+    assert config.param_offload["nvme_path"] == str(Path.cwd() / "store")
+    assert main(["validate-config", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"optimizer offload: nvme at {home / 'nvme'}/rank<R>" in out
+    assert f"parameter offload: nvme at {Path.cwd() / 'store'}/zero3_params/rank<R>/" in out
+    monkeypatch.chdir(tmp_path)
+    assert load_config(write(tmp_path, data)).nvme_path == str(home / "nvme")
+    assert not list(tmp_path.rglob("~"))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         load_config(tmp_path / "missing.json")
@@ -140,10 +191,11 @@ def test_parameter_offload_takes_effect_at_stage_3_only(tmp_path):
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(d_model=8, d_ff=16, num_layers=1, d_kv=4,
                                                                           num_heads=2, vocab_size=32))  # fmt: skip
     param = param_offload_kwargs(config)
-    assert param == {"device": "nvme", "nvme_path": "offload_store", "buffer_count": 5, "buffer_size": 100_000_000,
+    store = str(Path.cwd() / "offload_store")  # resolved once, at validation
+    assert param == {"device": "nvme", "nvme_path": store, "buffer_count": 5, "buffer_size": 100_000_000,
                      "max_in_cpu": 0, "pin_memory": False}  # fmt: skip
     lines = effective_settings(config, 2)
-    assert "parameter offload: nvme at offload_store/zero3_params/rank<R>/ (parameter and gradient shards in files; " \
+    assert f"parameter offload: nvme at {store}/zero3_params/rank<R>/ (parameter and gradient shards in files; " \
            "the first units' shards, up to 0 elements a rank, in RAM: max_in_cpu), read ahead on a thread in the " \
            "units' recorded order" in lines, lines
     data = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
@@ -230,9 +282,10 @@ def test_what_cannot_be_honoured_is_refused(tmp_path, data, flags, fragment):
 @pytest.mark.slow
 def test_validate_config_command(tmp_path):
     exe = Path(sys.executable).with_name("trainer-shard")
-    ok = subprocess.run([exe, "validate-config", CONFIGS / "offload_disk.json"], capture_output=True, text=True)
+    ok = subprocess.run([exe, "validate-config", CONFIGS / "offload_disk.json"], capture_output=True, text=True,
+                        cwd=tmp_path)  # fmt: skip
     assert ok.returncode == 0 and "valid on 1 rank" in ok.stdout
-    assert "  optimizer offload: nvme at offload_store/rank<R>" in ok.stdout.splitlines()
+    assert f"  optimizer offload: nvme at {tmp_path.resolve() / 'offload_store'}/rank<R>" in ok.stdout.splitlines()
     bad = write(tmp_path, {"zero_optimization": {"stage": "two"}})
     proc = subprocess.run([exe, "validate-config", bad], capture_output=True, text=True)
     assert proc.returncode == 2 and "$.zero_optimization.stage: must be an integer" in proc.stderr

@@ -6,12 +6,22 @@ The first run on a machine builds the kernel (about a minute); later runs load i
 extension cache.
 """
 
+import configparser
+import fcntl
+import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
+from conftest import ROOT
 from test_offload import max_diff, spec, train
 from trainer_shard.offload import cpu_adam
 
@@ -215,3 +225,121 @@ def test_disabled_by_the_environment(monkeypatch):
     assert cpu_adam.disabled() and not cpu_adam.available()
     monkeypatch.setenv(cpu_adam.DISABLE_ENV, "0")
     assert not cpu_adam.disabled()
+
+
+# ---- the build lock: [Note: the build lock] in cpu_adam.py -----------------------------------
+
+# The module alone, from its file (argv[1]): importing the package (transformers...) takes 10 s more a process.
+MODULE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("trainer_shard.offload.cpu_adam", sys.argv[1])
+cpu_adam = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cpu_adam)
+"""
+
+KILLED_BUILDER = MODULE + """
+import os, signal
+import torch.utils.cpp_extension as ext
+
+def killed(**kwargs):  # the compiler running, torch's lock taken, when the OOM killer strikes
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ext._write_ninja_file_and_build_library = killed
+cpu_adam.available()
+"""
+
+NEXT_RUN = MODULE + """
+import json, logging, time
+import torch.utils.cpp_extension as ext
+
+def no_build(**kwargs):  # where the build itself is not what is tested
+    raise RuntimeError("the build ran")
+
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger(cpu_adam.__name__).addHandler(handler)
+logging.getLogger(cpu_adam.__name__).setLevel(logging.INFO)
+cpu_adam.BUILD_TIMEOUT_S = float(sys.argv[2])
+if sys.argv[3] == "no-build":
+    ext.load_inline = no_build
+started = time.monotonic()
+available = cpu_adam.available()
+print(json.dumps({"available": available, "error": cpu_adam.build_error(), "seconds": time.monotonic() - started,
+                  "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING]}))
+"""
+
+
+def run_python(code: str, env: dict, *args, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`code` in a fresh process; the test fails, naming the hang, where it runs past `timeout`."""
+    try:
+        return subprocess.run([sys.executable, "-c", code, cpu_adam.__file__, *args], env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout} s: the build waits on a lock nobody will release")
+
+
+def next_run(env: dict, timeout_s: float, mode: str) -> dict:
+    done = run_python(NEXT_RUN, env, str(timeout_s), mode, timeout=90)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def extensions(tmp_path, monkeypatch) -> dict:
+    """The environment of a run whose torch extension folder is `tmp_path` (and this process's too)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(cpu_adam.DISABLE_ENV, raising=False)
+    return dict(os.environ)
+
+
+def test_a_build_killed_mid_way_does_not_hang_the_next_run(tmp_path, extensions):
+    """A builder SIGKILLed mid-build leaves torch's `<folder>/lock`: the next run falls back to
+    torch's path at once, with one warning naming the lock, and removes it (so the run after
+    builds). Before: the next run waited on that lock for ever."""
+    killed = run_python(KILLED_BUILDER, extensions)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    (baton,) = tmp_path.glob("*/lock")
+    got = next_run(extensions, 600, "build")
+    assert not got["available"] and got["seconds"] < 30
+    assert len(got["warnings"]) == 1 and str(baton) in got["warnings"][0] and "killed" in got["warnings"][0]
+    assert "BuildLockError" in got["error"] and not baton.exists()
+
+
+def test_a_live_builder_is_waited_for_a_bounded_time(extensions):
+    """Another process holds the build lock (a rank building): the next waits for it, at most
+    `BUILD_TIMEOUT_S`, then falls back with one warning; it never reaches torch's lock."""
+    with open(cpu_adam.build_folder() / cpu_adam.OWNER_LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        got = next_run(extensions, 2, "no-build")
+    assert not got["available"] and 2 <= got["seconds"] < 30
+    assert len(got["warnings"]) == 1 and "another process has been building" in got["warnings"][0]
+
+
+@pytest.mark.parametrize("age", [30, 3600])
+def test_a_lock_made_outside_ours_is_not_waited_on(tmp_path, extensions, age):
+    """torch's lock with no builder written down in ours (another version of the package made
+    it): the run falls back without waiting; a lock older than a build takes is removed, a
+    younger one left to its builder."""
+    baton = cpu_adam.build_folder() / "lock"
+    baton.touch()
+    os.utime(baton, (time.time() - age,) * 2)
+    got = next_run(extensions, 600, "build")
+    assert not got["available"] and got["seconds"] < 30 and len(got["warnings"]) == 1
+    assert baton.exists() == (age < 600), got["warnings"]
+
+
+def test_the_build_is_logged_with_its_folder_and_compiles_the_cpp_file(tmp_path, extensions, monkeypatch, caplog):
+    """"building the CPU Adam kernel in PATH" before the build, PATH torch's build folder; the
+    source is cpu_adam.cpp, shipped with the package (setup.cfg's package_data)."""
+    built = {}
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kwargs: built.update(kwargs) or "module")
+    with caplog.at_level(logging.INFO, logger=cpu_adam.__name__):
+        assert cpu_adam._build() == "module"
+    (folder,) = tmp_path.iterdir()
+    assert f"building the CPU Adam kernel in {folder}" in caplog.text
+    assert built["build_directory"] == str(folder)
+    assert built["cpp_sources"] == [cpu_adam.SOURCE_FILE.read_text()] and "void adam_step(" in built["cpp_sources"][0]
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert "*.cpp" in setup["options.package_data"]["trainer_shard.offload"]

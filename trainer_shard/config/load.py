@@ -20,6 +20,7 @@ a 400-digit integer or a megabyte of string is named in a line, never pasted in 
 import difflib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -179,9 +180,9 @@ def _read_json(path: Path, source: str):
         line = raw[: e.start].count(b"\n") + 1
         raise ConfigError(source, [("$", f"not UTF-8 text (byte 0x{raw[e.start]:02x} at line {line}, byte offset "
                                     f"{e.start}); save the file as UTF-8")])  # fmt: skip
-    duplicates = []
+    duplicates, constants = [], []
     try:
-        data = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int,
+        data = json.loads(text, parse_constant=lambda name: _constant(name, constants), parse_int=_parse_int,
                           object_pairs_hook=lambda pairs: _object(pairs, duplicates))  # fmt: skip
     except json.JSONDecodeError as e:
         raise ConfigError(source, [("$", f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}")]) from None
@@ -190,15 +191,44 @@ def _read_json(path: Path, source: str):
                                     "four levels deep")]) from None  # fmt: skip
     except ValueError as e:
         raise ConfigError(source, [("$", str(e))]) from None
+    problems = _non_finite(data) if constants else []
     if duplicates:
         keys = ", ".join(_describe(k, 40) for k in dict.fromkeys(duplicates[:5]))
-        raise ConfigError(source, [("$", f"key {keys} written twice in one object, and JSON would keep only the last "
-                                    "silently; write each key once")])  # fmt: skip
+        problems.insert(0, ("$", f"key {keys} written twice in one object, and JSON would keep only the last "
+                            "silently; write each key once"))  # fmt: skip
+    if problems:
+        raise ConfigError(source, problems)
     return data
 
 
-def _reject_constant(name):
-    raise ValueError(f"{name} is not a number JSON allows; write a finite number")
+@dataclass(frozen=True)
+class _Constant:
+    """NaN, Infinity or -Infinity as read (json's parse_constant), kept where it stands to be named at its key."""
+
+    name: str
+
+
+def _constant(name: str, seen: list) -> _Constant:
+    seen.append(_Constant(name))
+    return seen[-1]
+
+
+def _non_finite(data) -> list:
+    """(path, message) for each NaN, Infinity or -Infinity in `data`, at its key: the first
+    MAX_UNKNOWN one by one, the others counted. Not recursive: the file may nest as deep as json reads."""
+    found, stack = [], [("$", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _Constant):
+            found.append((path, f"{value.name} is not a number JSON allows; write a finite number"))
+        elif isinstance(value, dict):
+            stack += [(_child(path, key), item) for key, item in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", item) for i, item in reversed(list(enumerate(value)))]
+    if len(found) > MAX_UNKNOWN:
+        found[MAX_UNKNOWN:] = [("$", f"holds {len(found) - MAX_UNKNOWN} more NaN or Infinity values (those named "
+                                     "above are the first); write finite numbers")]  # fmt: skip
+    return found
 
 
 def _parse_int(text: str) -> int:
@@ -445,7 +475,8 @@ def _as_strs(value, spec):
     raise ValueError(f"must be a non-empty list of non-empty strings, got {_describe(value)}")
 
 
-_SIZE = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([KMGT]?i?B)?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*([0-9]{1,30}(?:\.[0-9]{1,30})?)\s*([KMGT]i?B|B)?\s*", re.IGNORECASE)
+SIZE_UNITS = "B; KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024"
 
 
 def parse_size(text) -> int:
@@ -456,9 +487,10 @@ def parse_size(text) -> int:
         return text
     match = _SIZE.fullmatch(text) if isinstance(text, str) else None
     if not match:
-        raise ValueError(f"must be a size such as 2GiB, 500MB or a number of bytes, got {_describe(text)}")
+        raise ValueError(f"must be a size such as 2GiB, 500MB or a number of bytes (units: {SIZE_UNITS}), got "
+                         f"{_describe(text)}")  # fmt: skip
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    power = "BKMGT".index(unit[0])
     size = number * (1024 if "I" in unit else 1000) ** power
     if size > INT_LIMIT:
         raise ValueError(f"{_describe(text)} is more than 2**63 - 1 bytes; write a size such as 24GiB")
@@ -825,7 +857,7 @@ def _unset_flag(flag: str, theirs) -> bool:
 
 def _build(tree: dict, raw: dict) -> OffloadConfig:
     zero, offload, fp16 = tree["zero_optimization"], tree["zero_optimization"]["offload_optimizer"], tree["fp16"]
-    device = _optimizer_device(tree)
+    device, param = _optimizer_device(tree), _param_settings(tree)
     precision = "fp16" if fp16["enabled"] is True else "bf16" if tree["bf16"]["enabled"] is True else "fp32"
     if precision == "fp32" and AUTO in (fp16["enabled"], tree["bf16"]["enabled"]):
         precision = AUTO  # from --fp16/--bf16 at start
@@ -838,9 +870,10 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         return None if zero[key] == AUTO else zero[key]
 
     return OffloadConfig(
-        stage=zero["stage"], offload_device=device, nvme_path=offload["nvme_path"], pin_memory=offload["pin_memory"],
-        buffer_count=offload["buffer_count"], reduce_bucket_size=bucket("reduce_bucket_size"),
-        allgather_bucket_size=bucket("allgather_bucket_size"), overlap_comm=zero["overlap_comm"],
+        stage=zero["stage"], offload_device=device, nvme_path=_folder(offload["nvme_path"]),
+        pin_memory=offload["pin_memory"], buffer_count=offload["buffer_count"],
+        reduce_bucket_size=bucket("reduce_bucket_size"), allgather_bucket_size=bucket("allgather_bucket_size"),
+        overlap_comm=zero["overlap_comm"],
         optimizer=sections["optimizer"], scheduler=sections["scheduler"],
         gradient_clipping=concrete(tree["gradient_clipping"]), precision=precision,
         loss_scale=fp16["loss_scale"], initial_scale_power=fp16["initial_scale_power"],
@@ -852,5 +885,12 @@ def _build(tree: dict, raw: dict) -> OffloadConfig:
         inference=dict(tree["inference"]) if isinstance(raw, dict) and "inference" in raw else None,
         max_memory=tree["max_memory"], hysteresis=fp16["hysteresis"],
         consecutive_hysteresis=fp16["consecutive_hysteresis"], communication_data_type=tree["communication_data_type"],
-        param_offload=_param_settings(tree),
+        param_offload={**param, "nvme_path": _folder(param["nvme_path"])},
     )  # fmt: skip
+
+
+def _folder(path: str | None) -> str | None:
+    """A folder named in the config as an absolute path, resolved once, here: `~` expanded, and a
+    relative path taken from the working folder of the validation, whatever folder a rank or the
+    store is in when it opens the files (validate-config shows the result)."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))

@@ -34,7 +34,8 @@ One step of a flat group's shard, chunk by chunk:
   pages] in store.py; `TRAINER_SHARD_NO_MMAP=1`, or a chunk size that is not a whole number of
   pages, reads and writes copies in `buffer_count` sets of chunk buffers instead).
 - CUDA: gradients come to pinned staging buffers and updated parameters go back on a side
-  stream, so host-device copies overlap the CPU step (see `_DeviceLink`).
+  stream, so host-device copies overlap the CPU step (see `_DeviceLink`). With `buffer_count`
+  1 there is one staging slot, and the next chunk's gradient is copied after the step, not during it.
 """
 
 import inspect
@@ -280,7 +281,9 @@ class OffloadEngine:
             return carry
         link.begin()
         slots = self.spec.buffer_count
-        prefetch = slots > 1  # one buffer set: read, step and write one chunk after the other
+        # one buffer set: read, step and write one chunk after the other, and fetch the next chunk's
+        # gradient after the step (on CUDA it comes into the staging slot the step is reading)
+        prefetch = slots > 1
         first = carry.slot if carry is not None else 0
 
         def slot_of(i):
@@ -321,11 +324,14 @@ class OffloadEngine:
             if stored:  # read with the state chunk on the disk store's reader thread, else here
                 link.fetch_grad(chunk.pop("grad") if disk else self._read_grad(flat, start, end, slot), slot)
             grad = link.take_raw(slot, end - start) if plan.one_pass else link.take_grad(slot, end - start, plan.factors)
-            if not stored and i + 1 < len(ranges):
+            fetch_next = not stored and i + 1 < len(ranges)
+            if fetch_next and prefetch:
                 link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], slot_of(i + 1))
             staged = disk and flat.params_stored  # ZeRO-3, parameters on disk: written with the state, off this thread
             params = self._param_buffer(slot, flat.dtype, end - start) if staged else None
             scalars = self._update_chunk(index, flat, link, chunk, grad, (start, end, slot), plan, hyper, params)
+            if fetch_next and not prefetch:  # one slot: only now is its staging buffer (`grad` on CUDA) free
+                link.fetch_grad(flat.grad[ranges[i + 1][0] : ranges[i + 1][1]], slot_of(i + 1))
             new_scalars = new_scalars if plan.kernel is not None else scalars
             if staged:
                 writes[slot] = self._io.submit(self._write, index, start, chunk, flat, params)
