@@ -573,6 +573,9 @@ def _cross_field(tree: dict, world_size: int, problems: list) -> None:
     if offload["nvme_path"] and offload["device"] != "nvme":
         problems.append(("$.zero_optimization.offload_optimizer.nvme_path",
                          f'is only used with device "nvme" (device is "{offload["device"]}"); remove it or set device'))  # fmt: skip
+    if zero["reduce_bucket_size"] == 0 and zero["stage"] != 3:  # DeepSpeed takes 0 at stage 3, which ignores it
+        problems.append(("$.zero_optimization.reduce_bucket_size", "is 0: a bucket holds at least 1 element at stages "
+                         '1 and 2 (only stage 3 ignores it); write a size, "auto", or remove it'))  # fmt: skip
     if tree["fp16"]["enabled"] is True and tree["bf16"]["enabled"] is True:
         problems.append(("$.fp16.enabled", "fp16 and bf16 are both enabled; enable one"))
     scheduler = tree["scheduler"]

@@ -220,7 +220,8 @@ ZERO_OPTIMIZATION = {
     "offload_optimizer": Key("object", "the offload store", children=OFFLOAD_OPTIMIZER),
     "cpu_offload": Key("bool", "old form of offload_optimizer.device = cpu", False),
     "reduce_bucket_size": Key("int", 'elements per gradient bucket; "auto": hidden size squared, as the Hugging Face '
-                              "integration fills it", BUCKET_NUMEL, auto=True, minimum=1),
+                              "integration fills it; 0 only at stage 3, where it is not used", BUCKET_NUMEL, auto=True,
+                              minimum=0),
     "allgather_bucket_size": Key("int", "elements per all-gather bucket at stage 1; at stage 2 the buckets are "
                                  "all-gathered as they were reduced (a different value is ignored with a warning)",
                                  BUCKET_NUMEL, auto=True, minimum=1),
