@@ -51,7 +51,7 @@ def problems(tmp_path, data, **kwargs):
          "-Infinity is not a number JSON allows"),
         ({"max_memory": {"cpu": "5iB"}}, "$.max_memory", '"cpu": must be a size such as 2GiB, 500MB or a number of '
          "bytes (units: B; KB, MB, GB, TB: powers of 1000; KiB, MiB, GiB, TiB: powers of 1024), got \"5iB\""),
-        ({"zero_optimization": {"reduce_bucket_size": 0}}, "$.zero_optimization.reduce_bucket_size", ">= 1"),
+        ({"zero_optimization": {"reduce_bucket_size": 0}}, "$.zero_optimization.reduce_bucket_size", "a bucket holds at least 1 element"),
         ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
          "$.zero_optimization.offload_optimizer.device", "one of none, cpu, nvme"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
@@ -367,15 +367,15 @@ def test_zero3_kwargs_auto_needs_a_hidden_size(tmp_path):
 
 @pytest.mark.parametrize("name", ["stage3_model_persistence_threshold", "model_persistence_threshold"])
 def test_model_persistence_threshold_below_what_stays_whole_is_refused(tmp_path, name):
-    # persistence threshold 64: bias (64) and small (10) stay whole, and the frozen 100: 174 elements
-    zero = {"stage3_param_persistence_threshold": 64, name: 173}
+    # persistence threshold 64: bias (64) and small (10) stay whole: 74 elements (the frozen 100 are sharded)
+    zero = {"stage3_param_persistence_threshold": 64, name: 73}
     with pytest.raises(ConfigError) as e:
         kwargs_of(tmp_path, zero)
     assert e.value.problems == [(f"$.zero_optimization.{name}", (
-        "is 173 elements, but the parameters kept whole on every rank here (those of at most 64 elements, "
-        "stage3_param_persistence_threshold, and the frozen ones) hold 174 in Tiny; raise it or remove it, or lower "
+        "is 73 elements, but the parameters kept whole on every rank here (those of at most 64 elements, "
+        "stage3_param_persistence_threshold) hold 74 in Tiny; raise it or remove it, or lower "
         "stage3_param_persistence_threshold"))]  # fmt: skip
-    assert kwargs_of(tmp_path, dict(zero, **{name: 174}))["persistence_threshold"] == 64
+    assert kwargs_of(tmp_path, dict(zero, **{name: 74}))["persistence_threshold"] == 64
 
 
 def test_zero3_settings_for_validate_config(tmp_path):
@@ -387,3 +387,15 @@ def test_zero3_settings_for_validate_config(tmp_path):
         "persistence threshold: 10,000 elements (parameters of at most this many stay whole on every rank)",
         "parameter offload: none (the parameter shards stay in this process's memory between uses)",
         "save_model: the whole model.safetensors, streamed a unit at a time"]  # fmt: skip
+
+
+def test_a_zero_reduce_bucket_size_is_taken_at_stage_3_only(tmp_path):
+    """Configs in the wild (DeepSpeed takes it) write reduce_bucket_size 0 at stage 3, where buckets
+    are the units' flat buffers; at stage 2 a bucket of 0 elements cannot be, and is named."""
+    zero = {"reduce_bucket_size": 0, "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 0}
+    config = load_config(write(tmp_path, {"zero_optimization": {"stage": 3, **zero}}), world_size=2)
+    assert config.stage == 3 and config.reduce_bucket_size == 0
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 0}}), world_size=2)
+    assert e.value.problems == [("$.zero_optimization.reduce_bucket_size", "is 0: a bucket holds at least 1 element "
+                                 'at stages 1 and 2 (only stage 3 ignores it); write a size, "auto", or remove it')]

@@ -49,7 +49,7 @@ def held_between_units(rank, world_size, tmp):
 
     opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3, lr=1e-3,
                            offload=OffloadSpec("nvme", nvme_path=f"{tmp}/optim", chunk_numel=2**18))  # fmt: skip
-    largest = max(sum(p.numel() * 4 for p in u.params) for u in sharded.units)
+    largest = max(u.numel * 4 for u in sharded.units)
     bound = spec.buffer_count * largest
     seen = []
     gather = Unit.gather

@@ -111,7 +111,7 @@ def bytes_freed_by_sharding(rank, world_size):
     release_freed_memory()
     grown = rss() - before
     held = sharded.held_parameter_bytes()
-    sharded_numel = sum(p.numel() for u in sharded.units for p in u.params)
+    sharded_numel = sum(u.numel for u in sharded.units)  # the parameters themselves are empty between uses
     padding = len(sharded.parts) * world_size  # at most one element short of a multiple of N per flat
     assert held["shards"] <= (-(-sharded_numel // world_size) + padding) * 4  # ceil(P / N) of the dtype
     assert held["persistent"] == (total // 4 - sharded_numel) * 4 and held["gathered"] == held["pool"] == 0

@@ -169,16 +169,16 @@ def zero3_units(config, world_size: int, persistence_threshold: int | None = Non
     from transformers import AutoModelForSeq2SeqLM
 
     from .offload.dispatch import empty_model
-    from .sharding.zero3 import PERSISTENCE_THRESHOLD, _owners, _unit_modules
+    from .sharding.zero3 import PERSISTENCE_THRESHOLD, owners, unit_modules
 
     threshold = PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold
     model = empty_model(AutoModelForSeq2SeqLM, config)
     classes = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
-    modules = _unit_modules(model, [m for m in model.modules() if type(m).__name__ in classes])
-    owner, _ = _owners(model, modules)
+    modules = unit_modules(model, [m for m in model.modules() if type(m).__name__ in classes])
+    owner, _ = owners(model, modules)
     sharded, persistent = {id(m): 0 for m in modules}, 0
     for p, module in owner.items():
-        if p.numel() <= threshold or not p.requires_grad:
+        if p.numel() <= threshold:  # frozen parameters are sharded too
             persistent += p.numel()
         else:
             sharded[id(module)] += p.numel()

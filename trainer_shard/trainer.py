@@ -333,8 +333,12 @@ class ShardedTrainerMixin:
         zero3_weights.load_weights(sharded, self.state.best_model_checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Check the checkpoint against its manifest (ranks share the CRC work) before loading."""
+        """Check the checkpoint against its manifest (ranks share the CRC work) before loading.
+        A model sharded already (ZeRO-3 built on the meta device) reads the weights unit by unit
+        (collective), never the whole state dict in memory; otherwise the Trainer's own."""
         checkpoints.check_manifest(resume_from_checkpoint, self.args)
+        if self.sharded_model is not None and isinstance(self.accelerator.unwrap_model(self.model), PreTrainedModel):
+            return zero3_weights.load_weights(self.sharded_model, resume_from_checkpoint)
         return super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save(self, output_dir=None, state_dict=None) -> None:
@@ -343,6 +347,8 @@ class ShardedTrainerMixin:
         files of at most --max_shard_size."""
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if state_dict is not None or not isinstance(model, PreTrainedModel):
+            if state_dict is None and self.sharded_model is not None:  # gathered unit by unit, on every rank
+                state_dict = model.state_dict()  # (the Trainer calls _save on every rank: a collective is safe)
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         sharded = self.sharded_model

@@ -17,7 +17,9 @@ try:
     model = trainer.accelerator.unwrap_model(trainer.model)
     if trainer.sharded_model is not None:  # ZeRO-3: gathered unit by unit (collective)
         state = trainer.sharded_model.full_state_dict()
-        held = dict(trainer.sharded_model.held_parameter_bytes(), total=sum(v.numel() * v.element_size()
+        from trainer_shard.sharding.zero3 import full_numel
+
+        held = dict(trainer.sharded_model.held_parameter_bytes(), total=sum(full_numel(v) * v.element_size()
                     for v in model.parameters()))  # fmt: skip
         (Path(trainer.args.output_dir) / f"held{os.environ.get('RANK', '0')}.json").write_text(json.dumps(held))
     else:

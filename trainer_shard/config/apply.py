@@ -236,12 +236,12 @@ def _stage3_value(zero: dict, name: str, default, fills: dict):
 
 def _check_model_persistence(model, zero: dict, threshold: int, cap: int) -> None:
     """`stage3_model_persistence_threshold` against what the engine keeps whole: every parameter of
-    at most `threshold` elements, and every frozen one (DeepSpeed would shard the rest instead)."""
-    whole = sum(p.numel() for p in model.parameters() if p.numel() <= threshold or not p.requires_grad)
+    at most `threshold` elements (DeepSpeed would shard the rest instead)."""
+    whole = sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
     if whole > cap:
         name = next(n for n in ("stage3_model_persistence_threshold", "model_persistence_threshold") if n in zero)
         message = (f"is {cap:,} elements, but the parameters kept whole on every rank here (those of at most "
-                   f"{threshold:,} elements, stage3_param_persistence_threshold, and the frozen ones) hold {whole:,} in "
+                   f"{threshold:,} elements, stage3_param_persistence_threshold) hold {whole:,} in "
                    f"{type(model).__name__}; raise it or remove it, or lower stage3_param_persistence_threshold")  # fmt: skip
         raise ConfigError("offload config", [(f"$.zero_optimization.{name}", message)])
 

@@ -56,13 +56,15 @@ def default_reduce_dtype(param_dtype, world_size: int):
 
 
 class _BucketState:
-    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled", "dtype")
+    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled", "dtype", "launched")
 
-    def __init__(self, flat, bucket, dtype):
+    def __init__(self, flat, bucket, dtype, at_end: bool = False):
         self.flat, self.bucket, self.dtype = flat, bucket, dtype
-        self.remaining = len(bucket.slots)
+        # at_end: never complete before `finish` (a flat whose parameters may report again later)
+        self.remaining = len(bucket.slots) + (1 if at_end else 0)
         self.buffer = None
         self.filled = set()
+        self.launched = False
 
     def ensure_buffer(self):
         """The bucket's buffer; every element gets written (gradients, or zeros by `zero_missing`)."""
@@ -84,22 +86,30 @@ class GradReducer:
     module docstring. `reduce_dtype`: None for `default_reduce_dtype`, else the dtype every bucket
     is summed in."""
 
-    def __init__(self, group=None, max_in_flight: int = 2, overlap: bool = True, reduce_dtype=None):
+    def __init__(self, group=None, max_in_flight: int = 2, overlap: bool = True, reduce_dtype=None,
+                 queue_finish: bool = True):  # fmt: skip
         self.group = group
+        self.queue_finish = queue_finish  # False: the owner calls `finish` at the end of backward (ZeRO-3)
         self.overlap = overlap
         self.world_size = comm.rank_and_size(group)[1]
         self.max_in_flight = max(1, int(max_in_flight))
         self.reduce_dtype = reduce_dtype
         self.flats = []
+        self.at_end = set()  # ids of the flats reduced at the end of backward only (see `add`)
         self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
         self._handles = []
         self._reset()
 
-    def add(self, flat) -> None:
-        """Reduce `flat`'s gradients from now on: hooks on each of its parameters."""
+    def add(self, flat, at_end: bool = False) -> None:
+        """Reduce `flat`'s gradients from now on: hooks on each of its parameters. `at_end`: its
+        buckets wait for the end of backward, for parameters that may report several times in
+        one backward (ZeRO-3's root, whose parameters reentrant checkpointing segments share);
+        the last flats in bucket order only, as the others launch in order behind them."""
         self.flats.append(flat)
+        if at_end:
+            self.at_end.add(id(flat))
         base = sum(len(f.layout.buckets) for f in self.flats[:-1])
         for bucket in flat.layout.buckets:
             for slot in bucket.slots:
@@ -121,10 +131,20 @@ class GradReducer:
         self._reset()
 
     def _reset(self) -> None:
-        self.states = [_BucketState(f, b, self.dtype_for(f)) for f in self.flats for b in f.layout.buckets]
+        self.states = [_BucketState(f, b, self.dtype_for(f), id(f) in self.at_end) for f in self.flats
+                       for b in f.layout.buckets]  # fmt: skip
+        self.reopened = {}  # state index -> a second state for gradients that came after its launch
         self.next_bucket = 0
         self.in_flight = []
         self.callback_queued = False
+
+    def reset(self) -> None:
+        """Drop a backward that never finished (it raised): reductions in flight are waited for and
+        their results dropped, half-filled buckets too. The shards keep what earlier backward
+        passes reduced."""
+        for _, _, work in self.in_flight:
+            work.wait()
+        self._reset()
 
     def _make_hook(self, state_index: int, slot):
         def hook(param):
@@ -136,16 +156,26 @@ class GradReducer:
         if not self.sync:
             return  # accumulate in `.grad` until the micro-step that syncs
         if not self.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            if self.queue_finish:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.callback_queued = True
-        self._take(self.states[state_index], slot, param)
+        state = self.states[state_index]
+        if state.launched:  # a second gradient after its bucket went (reentrant checkpointing): reduced again
+            state = self.reopened.setdefault(state_index, _BucketState(state.flat, state.bucket, state.dtype))
+        self._take(state, slot, param)
         if self.overlap:
             self._launch_ready()
 
     def _take(self, state, slot, param) -> None:
-        """`param.grad` / world size -> its place in the bucket; `.grad` freed."""
+        """`param.grad` / world size -> its place in the bucket (added to what is there when the
+        parameter reported already in this backward); `.grad` freed."""
         grad, bucket, had_buffer = param.grad, state.bucket, state.buffer is not None
         param.grad = None
+        if slot.index in state.filled:
+            start = slot.offset - bucket.offset
+            with torch.no_grad():
+                state.buffer[start : start + slot.numel].add_(grad.reshape(-1).to(state.dtype), alpha=1.0 / self.world_size)
+            return
         with torch.no_grad():
             if (len(bucket.slots) == 1 and bucket.padded_numel == bucket.numel and grad.is_contiguous()
                     and grad.dtype == state.dtype):  # fmt: skip
@@ -200,6 +230,7 @@ class GradReducer:
             out = state.buffer[: state.bucket.shard_numel]
         else:
             out = torch.empty(state.bucket.shard_numel, dtype=state.dtype, device=state.flat.buffer.device)
+        state.launched = True
         work = comm.reduce_scatter(out, state.buffer, self.group, async_op=True)
         self.in_flight.append((state, out if direct is None else None, work))
 
@@ -221,6 +252,8 @@ class GradReducer:
     def finish(self) -> None:
         """End of backward: launch what is left, wait, add this rank's slices into the shards."""
         self._launch_ready(flush=True)
+        for index in sorted(self.reopened):  # in bucket order on every rank: see [Note: bucket order]
+            self._launch(self.reopened[index])
         while self.in_flight:
             self._complete_oldest()
         self._reset()

@@ -142,7 +142,7 @@ def _flat_entry(optimizer, i: int, names: dict, keys: list, scalars: dict) -> di
         "keys": keys,
         "scalars": {k: v for k, v in _jsonable(scalars).items() if not torch.is_tensor(scalars[k])},
         "tensor_scalars": [k for k, v in scalars.items() if torch.is_tensor(v)],
-        "params": [{"name": names[p], "shape": list(p.shape)} for p in flat.params],
+        "params": [{"name": names[p], "shape": list(getattr(p, "ds_shape", p.shape))} for p in flat.params],
         # per rank: [param index, first element in the parameter, first element in the shard, count]
         "segments": [[[s.index, s.param_start, s.shard_start, s.numel] for s in layout.segments(r)]
                      for r in range(layout.world_size)],  # fmt: skip

@@ -57,9 +57,10 @@ def _ordered_tensors(sharded, cursor) -> dict:
         unit = unit_of.get(id(params[name])) if name in params else None
         (by_unit[id(unit)] if unit is not None else rest).append(name)
     out = {}
-    for unit in sharded.units:
+    for unit in sharded.units:  # read from the parameter itself once gathered: empty between uses
         for name in by_unit[id(unit)]:
-            out[name] = Chunked(state[name].dtype, state[name].shape, _reader(cursor, unit, state[name]))
+            param = params[name]
+            out[name] = Chunked(param.dtype, param.ds_shape, _reader(cursor, unit, param))
     for name in rest:
         out[name] = state[name].detach()
     return out

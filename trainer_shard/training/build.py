@@ -16,7 +16,7 @@ from ..config import apply as config_apply
 from ..constants import BUCKET_NUMEL
 from ..errors import ArgumentError
 from ..sharding import DynamicLossScaler, ShardedOptimizer, shard_model
-from ..sharding.zero3 import PERSISTENCE_THRESHOLD
+from ..sharding.zero3 import PERSISTENCE_THRESHOLD, full_numel
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +92,11 @@ def shard_for_stage3(model, args, config, decay_names, weights=None, param_offlo
     sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
                           reduce_dtype=dtypes.DTYPES.get(reduce), weights=weights, **kwargs)  # fmt: skip
     if args.process_index == 0:
-        total = sum(p.numel() for p in model.parameters())
+        total = sum(full_numel(p) for p in model.parameters())
         whole = sum(p.numel() for p in sharded.persistent)
         level = logging.WARNING if 2 * whole > total else logging.INFO  # mostly whole: say it loudly
         logger.log(level, "zero_dp_3: %s; %s of %s parameter elements sharded (%d units hold some); %s stay whole "
-                          "on every rank (parameters of at most %s elements, and frozen ones: an --offload config's "
+                          "on every rank (parameters of at most %s elements: an --offload config's "
                           "stage3_param_persistence_threshold sets the size)", how, f"{total - whole:,}", f"{total:,}",
                    len(sharded.units), f"{whole:,}", f"{kwargs['persistence_threshold']:,}")  # fmt: skip
     return sharded

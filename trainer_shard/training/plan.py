@@ -30,6 +30,7 @@ from ..offload import OffloadSpec
 from ..offload.engine import per_element_state
 from ..offload.param_store import PARAMS, ParamOffloadSpec
 from ..offload.store import OffloadStoreError, check_disk_store
+from ..sharding.zero3 import full_numel
 
 ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for size estimates
 
@@ -43,7 +44,17 @@ def plan(args, config) -> tuple:
     spec = OffloadSpec.from_config(config) if config is not None else None
     if ShardedDDPOption.OFFLOAD in options and spec is None:
         spec = OffloadSpec("cpu", pin_memory=torch.cuda.is_available())
+    check_stage_args(args, stage)
     return stage, spec
+
+
+def check_stage_args(args, stage) -> None:
+    """Flags the chosen stage cannot take, refused before anything runs."""
+    if stage == 3 and getattr(args, "auto_find_batch_size", False):
+        raise ArgumentError("--auto_find_batch_size retries a step that ran out of memory, re-running a forward and "
+                            "backward that raised halfway, which ZeRO-3 cannot take (transformers refuses it with "
+                            "DeepSpeed ZeRO-3 too); drop the flag and set --per_device_train_batch_size (trainer-shard "
+                            "estimate says what fits)")  # fmt: skip
 
 
 def choose_strategy(args, model, train_dataset, config) -> tuple:
@@ -93,7 +104,7 @@ def auto_param_offload(store: str, model) -> ParamOffloadSpec:
     a unit, as the row assumes."""
     from .. import planner
 
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(full_numel(p) for p in model.parameters())
     return ParamOffloadSpec("nvme", nvme_path=store, buffer_size=max(ParamOffloadSpec.buffer_size, total),
                             **planner.AUTO_PARAM_OFFLOAD)  # fmt: skip
 
@@ -124,7 +135,7 @@ def state_tensors(optim_class, kwargs: dict):
 
 
 def trainable_numel(model) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(full_numel(p) for p in model.parameters() if p.requires_grad)
 
 
 def param_offload_spec(config) -> ParamOffloadSpec | None:
@@ -139,15 +150,19 @@ def param_store_bytes(params, model, world_size: int, args, config) -> int:
     of the sharded parameters, in the training dtype, and of their gradients (in
     `data_types.grad_accum_dtype`, else the parameters' dtype), less the `max_in_cpu` elements kept
     in RAM. Trainable parameters above the persistence threshold are sharded; smaller and frozen ones
-    stay whole in memory. The store checks the exact, padded size again when it opens."""
+    in RAM. Parameters above the persistence threshold are sharded, frozen ones too (without a
+    gradient); smaller ones stay whole in memory. The store checks the exact, padded size again
+    when it opens."""
     if params is None or params.device != "nvme":
         return 0
     threshold = config_apply.zero3_kwargs(config, model)["persistence_threshold"]
-    sharded = sum(p.numel() for p in model.parameters() if p.requires_grad and p.numel() > threshold)
-    on_disk = max(0, -(-sharded // max(1, world_size)) - params.max_in_cpu)
+    world_size = max(1, world_size)
+    sharded = [p for p in model.parameters() if full_numel(p) > threshold]
+    params = max(0, -(-sum(map(full_numel, sharded)) // world_size) - params.max_in_cpu)
+    grads = -(-sum(full_numel(p) for p in sharded if p.requires_grad) // world_size)
     param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
     grad_dtype = dtypes.DTYPES.get(getattr(config, "grad_accum_dtype", None)) or param_dtype
-    return on_disk * (param_dtype.itemsize + grad_dtype.itemsize)
+    return params * param_dtype.itemsize + grads * grad_dtype.itemsize
 
 
 def check_disk_room(spec, model, states, rank: int, world_size: int, params=None, param_bytes: int = 0) -> None:
@@ -189,10 +204,11 @@ def _check_param_room(store: Path, rank: int, needed: int, optimizer) -> None:
 def checkpoint_bytes(model, sharded: bool, states, with_optimizer: bool = True) -> int:
     """About what a checkpoint writes: the weights as `save_model` writes them, and the optimizer's
     state (fp32 masters and state when sharded, else the state in the parameters' dtype)."""
-    total = sum(t.numel() * t.element_size() for t in unique_state_dict(model).values())
+    every = model.state_dict(keep_vars=True)  # the parameters themselves: a sharded one knows its size
+    total = sum(full_numel(every[name]) * every[name].element_size() for name in unique_state_dict(model))
     if not with_optimizer:
         return total
     states = ADAM_STATES if states is None else states
     if sharded:
         return total + 4 * (1 + states) * trainable_numel(model)
-    return total + states * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return total + states * sum(full_numel(p) * p.element_size() for p in model.parameters() if p.requires_grad)

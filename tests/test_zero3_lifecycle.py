@@ -1,0 +1,383 @@
+"""ZeRO-3 where users step off the paths of a plain layer stack: parameters read outside their own
+unit, frozen parameters, a backward that raises, a read ahead across a step, reentrant
+checkpointing with a shared parameter, state_dict/load_state_dict, buffers, conversions. Each
+against plain PyTorch on the whole model (an independent reference), in a plain loop."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from distributed import spawn
+from trainer_shard import ShardingError
+from trainer_shard.offload import OffloadSpec
+from trainer_shard.offload.param_store import ParamOffloadSpec
+from trainer_shard.sharding import ShardedOptimizer, shard_model
+from trainer_shard.sharding.zero3 import UnitState
+
+D, STEPS, LR = 16, 3, 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        return self.norm(torch.tanh(self.linear(x)) + x)
+
+
+class ReadsChild(nn.Module):
+    """Reads its child unit's weight after the child ran (the child is released by then)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Block()
+
+    def forward(self, x):
+        return self.inner(x) + x @ self.inner.linear.weight.t()
+
+
+class BiasOut(nn.Module):
+    """Megatron's pattern: returns its bias for the caller to add."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(D, D, bias=False)
+        self.bias = nn.Parameter(torch.randn(D))
+
+    def forward(self, x):
+        return self.linear(x), self.bias
+
+
+class Net(nn.Module):
+    def __init__(self, n=3, skip=None, extras=True):
+        super().__init__()
+        self.extras = extras  # the two modules above, after the blocks
+        self.embed = nn.Linear(8, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(n))
+        self.reads = ReadsChild()
+        self.bias_out = BiasOut()
+        self.head = nn.Linear(D, 4)
+        self.register_buffer("scale", torch.ones(D))
+        self.skip = skip  # {step: block indices} a LayerDrop: those blocks do not run then
+        self.step = 0
+
+    def forward(self, x):
+        h = self.embed(x) * self.scale
+        for i, block in enumerate(self.blocks):
+            if self.skip is None or i not in self.skip.get(self.step, ()):
+                h = block(h)
+        if not self.extras:
+            return self.head(h)
+        h = self.reads(h)
+        y, bias = self.bias_out(h)
+        return self.head(y + bias)
+
+
+UNITS = [Block, ReadsChild, BiasOut]
+
+
+def make(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return Net(**kwargs)
+
+
+def data(step, rows=8):
+    g = torch.Generator().manual_seed(10 + step)
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g)
+
+
+def reference(steps=STEPS, freeze=None, **kwargs) -> dict:
+    model = make(**kwargs)
+    if freeze:
+        freeze(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for step in range(steps):
+        model.step = step
+        x, y = data(step)
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():  # a flat buffer's optimizer steps every element: unused ones with 0
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(rank=0, world_size=1, steps=STEPS, freeze=None, threshold=0, offload=None, params=None, on_step=None,
+          **kwargs):  # fmt: skip
+    model = make(**kwargs)
+    if freeze:
+        freeze(model)
+    sharded = shard_model(model, units=UNITS, persistence_threshold=threshold, param_offload=params)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if offload is None and params is None:
+        opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR)
+    else:
+        opt = ShardedOptimizer(trainable, optim=torch.optim.AdamW, stage=3, lr=LR, offload=offload)
+    rows = 8 // world_size
+    for step in range(steps):
+        model.step = step
+        x, y = data(step)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        if on_step:
+            on_step(step, sharded)
+        # nothing gathered after backward (a read ahead from disk may stay: the step drops it if it writes the shard)
+        assert all(u.state in (UnitState.SHARDED, UnitState.LOADED) for u in sharded.units)
+        opt.step()
+        opt.zero_grad()
+    return model, sharded
+
+
+def assert_close(got: dict, want: dict, atol=1e-6):
+    assert got.keys() == want.keys()
+    worst = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    assert worst <= atol, f"largest difference {worst:.3g}"
+
+
+# ---- 1 and 2: parameters read outside their unit; state_dict, load_state_dict --------------------
+
+
+def test_parameters_read_by_a_parent_or_returned_to_the_caller_train_as_plain_adamw():
+    """A parent reading its child unit's weight after the child ran (it was `setStorage ... out of
+    bounds` reading freed memory) and a module returning its bias for the caller to add (both
+    ranks died of SIGSEGV): the unit is gathered for the module running (DeepSpeed's external
+    parameter), for its forward and backward, and the run equals plain AdamW."""
+    model, sharded = train()
+    assert_close(model.state_dict(), reference())
+    assert all(unit.state is UnitState.SHARDED for unit in sharded.units)
+
+
+def test_state_dict_and_load_state_dict_work_on_the_sharded_model():
+    """model.state_dict() on the sharded model gives whole copies (it read freed memory: a
+    segfault); load_state_dict() writes into the shards, and the next steps train from them,
+    as the plain model loaded with the same weights does."""
+    model, sharded = train()
+    state = model.state_dict()
+    assert_close(state, reference())
+    assert all(v.numel() > 0 for v in state.values()) and sharded.held_parameter_bytes()["gathered"] == 0
+    fresh = make(seed=5).state_dict()
+    model.load_state_dict(fresh)
+    assert_close(model.state_dict(), fresh)
+    assert not any(unit.attached for unit in sharded.units)
+    assert model.blocks[0].linear.weight.numel() == 0 and model.blocks[0].linear.weight.ds_shape == (D, D)
+    assert model.state_dict(keep_vars=True)["blocks.0.linear.weight"] is model.blocks[0].linear.weight  # no gather
+
+
+# ---- 3: frozen parameters sharded and freed after their backward ----------------------------------
+
+
+def freeze_linears(model):
+    """LoRA's shape: the big matrices frozen, the norms and biases trained."""
+    for name, p in model.named_parameters():
+        if name.endswith("linear.weight") or name.startswith("embed"):
+            p.requires_grad_(False)
+
+
+def frozen_run(rank, world_size, extras=True):
+    most = []
+
+    def count(module, grad_in, grad_out):  # the units gathered while each block's backward runs
+        most.append(sum(u.state is UnitState.GATHERED for u in sharded_box[0].units))
+
+    sharded_box = []
+    model = make(n=6, extras=extras)
+    freeze_linears(model)
+    sharded = shard_model(model, units=UNITS, persistence_threshold=0)
+    sharded_box.append(sharded)
+    for block in model.blocks:
+        block.register_full_backward_hook(count)
+    frozen = [part for part in sharded.parts if not part.trainable]
+    assert frozen, "frozen parameters were kept whole"
+    frozen_numel = sum(part.layout.total_numel for part in frozen)
+    assert sum(part.shard_bytes for part in frozen) <= (frozen_numel // world_size + 1) * 4
+    assert all(part.grad_bytes == 0 and part.shard_param is None for part in frozen)
+    opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR)
+    rows = 8 // world_size
+    for step in range(STEPS):
+        x, y = data(step)
+        mine = slice(rank * rows, (rank + 1) * rows)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        opt.step()
+        opt.zero_grad()
+    # 6 frozen blocks + 2 others + the root: at most the running one, the prefetched one, the root
+    assert max(most) <= 4, most
+    assert_close(model.state_dict(), reference(freeze=freeze_linears, n=6, extras=extras))
+
+
+def test_frozen_parameters_are_sharded_and_freed_after_their_backward():
+    """LoRA's shape (big matrices frozen): the frozen parameters sharded like the others (kept
+    whole, they made ZeRO-3 save nothing), and each frozen unit freed after its backward (they
+    stayed gathered to the end of backward); trained as plain AdamW. With the external and
+    returned parameters too: test_two_ranks."""
+    frozen_run(0, 1, extras=False)
+
+
+# ---- 4: a backward that raises --------------------------------------------------------------------
+
+
+def test_a_backward_that_raised_leaves_nothing_behind():
+    """The second step's backward raises halfway (after some units reduced); the loop zeroes the
+    gradients and goes on. The per-iteration state is reset at the next forward: the run equals
+    plain AdamW without that step (it was off by up to 93 from half-filled buckets)."""
+    model = make()
+    sharded = shard_model(model, units=UNITS, persistence_threshold=0)
+    opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    plain = make()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    for step in range(STEPS + 1):
+        x, y = data(step)
+        if step == 1:
+            hook = model.blocks[0].register_forward_hook(lambda m, i, out: [out.register_hook(boom)] and None)
+            with pytest.raises(RuntimeError, match="boom"):
+                F.cross_entropy(model(x), y).backward()
+            hook.remove()
+            opt.zero_grad()
+            continue
+        F.cross_entropy(model(x), y).backward()
+        F.cross_entropy(plain(x), y).backward()
+        for o in (opt, plain_opt):
+            o.step()
+            o.zero_grad()
+        assert sharded.held_parameter_bytes()["gathered"] == 0
+    assert_close(model.state_dict(), {k: v.detach() for k, v in plain.state_dict().items()})
+
+
+def test_auto_find_batch_size_is_refused_at_stage_3(tmp_path):
+    from trainer_shard import ArgumentError, ShardedSeq2SeqTrainingArguments
+    from trainer_shard.training import plan
+
+    args = ShardedSeq2SeqTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                           sharded_ddp="zero_dp_3", auto_find_batch_size=True)  # fmt: skip
+    with pytest.raises(ArgumentError, match="--auto_find_batch_size .* ZeRO-3 cannot take"):
+        plan.plan(args, None)
+
+
+# ---- 5: a read ahead across a step ---------------------------------------------------------------
+
+
+def test_a_unit_read_ahead_but_not_run_reads_the_stepped_weights(tmp_path):
+    """Parameters on disk, LayerDrop: in step 1 the last two blocks do not run, the last having
+    been read ahead (two units past the running one: no prefetch gathers it); the step rewrites
+    its shard, and step 2 must gather the new weights, not the read ahead (0.0123 off), as plain
+    AdamW with the same drops."""
+    skip = {1: (2, 3)}
+    params = ParamOffloadSpec("nvme", nvme_path=str(tmp_path / "params"), buffer_count=4, max_in_cpu=0)
+    optim = OffloadSpec("nvme", nvme_path=str(tmp_path / "optim"))
+    model, sharded = train(skip=skip, params=params, offload=optim, n=4, extras=False)
+    assert_close(sharded.full_state_dict(), reference(skip=skip, n=4, extras=False))
+    sharded.close()
+
+
+# ---- 6: reentrant checkpointing with a parameter used in two segments -----------------------------
+
+
+class Shared(nn.Module):
+    """Two checkpointed segments, both using the root's `shared` linear."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.shared = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(D, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = x
+        for block in self.blocks:
+            h = checkpoint(lambda t, b=block: b(self.shared(t)), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpointed_segments_sharing_a_parameter(reentrant, monkeypatch):
+    """The root's parameter gets a gradient in each segment's backward: the reducer adds them (the
+    second overwrote the first: 5.64 off), and each bucket is reduced once a backward (it was
+    reduced at each segment's end: 49 reductions for 7 buckets)."""
+    from trainer_shard import comm
+
+    torch.manual_seed(0)
+    plain = Shared(reentrant)
+    model = copy.deepcopy(plain)
+    sharded = shard_model(model, units=[Block], persistence_threshold=0)
+    opt, plain_opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR), torch.optim.AdamW(plain.parameters(), lr=LR)
+    calls = []
+    real = comm.reduce_scatter
+    monkeypatch.setattr(comm, "reduce_scatter", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for step in range(STEPS):
+        x = torch.randn(8, D, generator=torch.Generator().manual_seed(step), requires_grad=True)
+        y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(step))
+        calls.clear()
+        F.cross_entropy(model(x), y).backward()
+        assert len(calls) == len(sharded.reducer.states), (len(calls), len(sharded.reducer.states))
+        F.cross_entropy(plain(x), y).backward()
+        for o in (opt, plain_opt):
+            o.step()
+            o.zero_grad()
+    assert_close(model.state_dict(), {k: v.detach() for k, v in plain.state_dict().items()})
+
+
+# ---- 7: the smaller ones ---------------------------------------------------------------------------
+
+
+def test_clip_grad_norm_counts_offloaded_gradients(tmp_path):
+    """With the optimizer offloaded the gradient shards are not the shard parameters' `.grad`:
+    ShardedModel.clip_grad_norm_ still takes them (it returned 1194.9 where the optimizer said
+    2229.3), and clips them."""
+    norms = []
+
+    def clip(step, sharded):
+        norms.append(float(sharded.clip_grad_norm_(1e9)))
+
+    model = make()
+    model.step = 0
+    x, y = data(0)
+    F.cross_entropy(model(x), y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+    train(steps=1, offload=OffloadSpec("cpu"), on_step=clip)
+    assert norms[0] == pytest.approx(want, rel=1e-5)
+
+
+def test_conversions_after_sharding_are_refused_or_pass():
+    model = make()
+    shard_model(model, units=UNITS, persistence_threshold=0)
+    model.to("cpu").float()  # no change: fine
+    with pytest.raises(ShardingError, match="converting them to torch.bfloat16 on cpu is not supported: cast or move "
+                                            "the model before shard_model"):  # fmt: skip
+        model.to(torch.bfloat16)
+
+
+def test_unit_classes_that_match_nothing_are_refused():
+    class Missing(nn.Module):
+        pass
+
+    with pytest.raises(ShardingError, match=r"units: no module of the model is a Missing; name classes the model "
+                                            r"uses \(its layers are Block\)"):  # fmt: skip
+        shard_model(make(), units=[Missing])
+
+
+def two_ranks(rank, world_size):
+    model = make()
+    if rank == 1:
+        model.scale.fill_(7.0)
+    shard_model(model, units=UNITS, persistence_threshold=0)
+    assert torch.equal(model.scale, torch.ones(D)), "buffers are broadcast from rank 0, as DDP does"
+    model, sharded = train(rank, world_size)
+    assert_close(model.state_dict(), reference())
+    frozen_run(rank, world_size)
+
+
+@pytest.mark.multiproc
+def test_two_ranks():
+    """2 ranks: buffers broadcast from rank 0; external and returned parameters; frozen ones sharded."""
+    spawn(two_ranks, 2)

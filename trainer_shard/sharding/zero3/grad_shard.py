@@ -1,0 +1,202 @@
+"""The gradient side of a flat buffer: this rank's fp32 (or offloaded) gradient shard, and what
+`ShardedOptimizer(stage=3)` and its steppers use of a flat (as of `flat.FlatGroup`)."""
+
+import torch
+
+from ...constants import CHUNK_NUMEL
+from ...errors import ShardingError
+from ..norms import power_sum
+
+
+class GradShard:
+    """Mixed into `FlatParams`: the gradient shard (`grad`), kept in memory or, with parameters
+    on disk, in the parameter store (`grad_stored`, its squared norm in `grad_sq`), and the
+    optimizer's view of the parameter shard (`shard_param`, `master`). A frozen flat
+    (`trainable` False) has none of it: no gradient, no optimizer state, never rewritten."""
+
+    grad_views = False  # see [Note: gradient views] in flat.py: a FlatParams keeps its own gradient shard
+
+    def _init_grad_side(self, device) -> None:
+        self.offloaded = False
+        self.grad_stored = False  # the gradient shard lives in the parameter store (on disk)
+        self.grad_sq = 0.0  # then: its squared 2-norm, kept as backward writes it
+        self._grad_write = None  # the future of its last write
+        if not self.trainable:  # frozen: nothing for an optimizer
+            self.master, self.shard_param = None, None
+        elif self.store is not None:  # the fp32 master lives in the offload engine's store: no copy here
+            self.master = None
+            self.shard_param = torch.nn.Parameter(torch.empty(self.layout.shard_numel, device="meta"))
+        elif self.dtype == torch.float32:
+            self.master = None
+            self.shard_param = torch.nn.Parameter(self.shard)  # shares the shard's storage
+        else:
+            self.master = self.shard.float()
+            self.shard_param = torch.nn.Parameter(self.master)
+        self._master_version = self.shard_param._version if self.shard_param is not None else 0
+        # with a store, made when the optimizer says where and in what dtype (`configure`)
+        on_meta = self.store is not None or not self.trainable
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device="meta" if on_meta else device)
+        self.stale = True  # the gradient shard holds nothing of this step yet (counts as zero)
+        self.accumulated = False  # a second backward added into it before the step
+        self.edited = False  # weights written behind the optimizer's back (load_state_dict, gathered(writeback))
+
+    @torch.no_grad()
+    def add_to_grad(self, bucket, values: torch.Tensor, alpha: float = 1.0, owned: bool = False) -> None:
+        """The gradient shard += alpha * values (= when stale: after `zero_grad`, or never written).
+        `owned`: `values` is the caller's no longer (the reducer's output): on disk it is written
+        as it is, with no copy."""
+        if self.grad_stored:
+            self._add_to_stored_grad(values, alpha, owned)
+            return
+        if self.grad.device.type == "meta":
+            raise ShardingError("offload_param: the gradients have nowhere to go before the optimizer is built "
+                                "(ShardedOptimizer(..., stage=3, offload=...)), or configure(offloaded=True) is "
+                                "called on each flat buffer")  # fmt: skip
+        if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
+            self.shard_param.grad = self.grad
+            self.stale = True
+        target = self.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
+        if self.stale:
+            target.copy_(values)
+            if alpha != 1.0:
+                target.mul_(alpha)
+            self.stale = False
+        else:
+            target.add_(values, alpha=alpha)
+            self.accumulated = True
+
+    def _add_to_stored_grad(self, values: torch.Tensor, alpha: float, owned: bool) -> None:
+        """[Note: parameter offload] The reduced slice goes to the store as backward makes it, its
+        squared norm kept on the way (the sum's, when micro-batches accumulate)."""
+        self._wait_grad_write()
+        if self.stale and owned and alpha == 1.0 and values.dtype == self.grad.dtype and values.is_contiguous():
+            total = values  # written as it is (t5-11b: a unit's gradient is 0.5 GB; no second copy)
+        else:
+            total = torch.empty(values.numel(), dtype=self.grad.dtype)
+            if self.stale:  # as `add_to_grad` does in memory, operation for operation
+                total.copy_(values)
+                if alpha != 1.0:
+                    total.mul_(alpha)
+            else:
+                self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
+                self.accumulated = True
+        self.stale = False
+        self.grad_sq = float(power_sum(total, 2.0))  # fp32 row norms summed in fp64: one pass, no copy
+        self._grad_write = self.store.write_async(self.grad_name, 0, total)  # backward goes on meanwhile
+
+    def _wait_grad_write(self) -> None:
+        if self._grad_write is not None:
+            self._grad_write.result()
+            self._grad_write = None
+
+    @torch.no_grad()
+    def read_grad(self, start: int, out: torch.Tensor) -> torch.Tensor:
+        """Gradient shard elements [start, start + out.numel()) into `out` (of the gradient's dtype)."""
+        if self.grad_stored:
+            self._wait_grad_write()
+            return self.store.read(self.grad_name, start, out)
+        return out.copy_(self.grad[start : start + out.numel()])
+
+    @torch.no_grad()
+    def scale_grad(self, factor: float) -> None:
+        """The gradient shard *= factor, wherever it lives (on disk: a chunk at a time)."""
+        if not self.grad_stored:
+            self.grad.mul_(factor)
+            return
+        self._wait_grad_write()
+        chunk = torch.empty(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
+        for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
+            piece = chunk[: min(CHUNK_NUMEL, self.layout.shard_numel - start)]
+            self.store.write(self.grad_name, start, self.store.read(self.grad_name, start, piece).mul_(factor))
+        self.grad_sq *= factor * factor
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """sum(gradient shard ** 2) as an fp32 scalar (0 while stale: it counts as zero)."""
+        if self.stale:
+            return torch.zeros(())
+        if self.grad_stored:
+            return torch.tensor(self.grad_sq, dtype=torch.float32)
+        return self.grad.float().pow(2).sum().cpu()
+
+    def configure(self, offloaded: bool, grad_dtype=None) -> None:
+        """For `ShardedOptimizer`: with `offloaded` the fp32 master lives in the offload store (no
+        copy here) and the gradient shard is kept in `grad_dtype` (default: the parameters')."""
+        if not self.trainable:
+            raise ShardingError(f"the frozen parameters {self.names[:3]} were handed to an optimizer; give it the "
+                                "parameters that require grad (ShardedModel.shard_parameters())")  # fmt: skip
+        if self.store is not None and not offloaded:
+            raise ShardingError("offload_param keeps the parameter shards out of memory, but the optimizer steps fp32 "
+                                "masters in memory: offload the optimizer too (offload_optimizer.device cpu or "
+                                "nvme; --sharded_ddp \"zero_dp_3 offload\")")  # fmt: skip
+        self.offloaded = offloaded
+        dtype = grad_dtype or (self.dtype if offloaded else torch.float32)
+        if offloaded:
+            self.master = None
+            self.shard_param.grad = None
+        if self.store is not None and self.shard is None:  # parameters on disk: the gradients too
+            self.grad_name = self.store_name.replace(".param", ".grad")
+            if not self.grad_stored:
+                self.store.add(self.grad_name, self.layout.shard_numel, dtype, on_disk=True)
+            self.grad_stored = True
+            self.grad = torch.empty(self.layout.shard_numel, dtype=dtype, device="meta")  # shape and dtype
+            return
+        if dtype != self.grad.dtype or self.grad.device.type == "meta":
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.buffer.device)
+        if not offloaded:
+            self.shard_param.grad = self.grad
+
+    def reduce_target(self, bucket, dtype):
+        """None: reductions go through `add_to_grad`, which may keep the result rather than copy it."""
+        return None
+
+    @property
+    def master_views(self) -> list:
+        return [] if self.offloaded else [self.shard_param]
+
+    @property
+    def master_ranges(self) -> list:
+        """(first element in the shard, elements) of each of `master_views`."""
+        return [] if self.offloaded else [(0, self.layout.shard_numel)]
+
+    def grad_tensors(self) -> list:
+        return [self.grad]
+
+    @property
+    def grad_bytes(self) -> int:
+        if self.grad_stored or self.grad.device.type == "meta":
+            return 0
+        return self.grad.numel() * self.grad.element_size()
+
+    @property
+    def separate_master(self) -> bool:
+        return self.master is not None or self.offloaded
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Master <- the shard (weights loaded into the model)."""
+        if self.master is not None:
+            self.master.copy_(self.shard)
+            self._master_version = self.shard_param._version
+
+    def follow_outside_edits(self) -> bool:
+        """True when weights were loaded since the last look and the master is elsewhere."""
+        return self.separate_master and self.edited
+
+    def mark_seen(self) -> None:
+        self.edited = False
+
+    def mark_grads_stale(self) -> None:
+        self.stale = True
+
+    @torch.no_grad()
+    def zero_stale(self) -> None:
+        if self.stale:
+            if self.grad_stored:
+                self._wait_grad_write()
+                zeros = torch.zeros(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
+                for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
+                    self.store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, self.layout.shard_numel - start)])
+                self.grad_sq = 0.0
+            else:
+                self.grad.zero_()
+        self.stale = False

@@ -1,0 +1,110 @@
+"""A unit: a wrapped module's sharded parameters, gathered and released together.
+
+[Note: unit lifecycle] A unit's memory is in one of four states (`UnitState`), read off its flat
+buffers, never kept in a flag of its own:
+
+    SHARDED --load (parameters on disk: read ahead)--> LOADED --start_gather--> GATHERING
+    SHARDED --start_gather (prefetch, or gather)--> GATHERING --wait--> GATHERED --release--> SHARDED
+
+and the iteration moves it through phases (`Phase`), each transition made by one hook of
+`lifecycle.Lifecycle`:
+
+- IDLE -> FORWARD: its forward pre-hook gathers it (waiting for a prefetch in flight), starts
+  gathering the unit after it in the recorded forward order, and (grad enabled) routes its
+  inputs that require grad through `PostBackward`, whose backward is the post-backward hook;
+- FORWARD -> IDLE: its forward post-hook releases it (unless held, or in backward, where
+  checkpointing recomputes) with the units it fetched as external parameters, and (grad
+  enabled) registers the pre-backward hook on its outputs;
+- IDLE -> BACKWARD: the pre-backward hook (the first gradient of its outputs) gathers it again,
+  its externals too, and prefetches the unit before it;
+- BACKWARD -> IDLE: the post-backward hook (its inputs' gradients are all computed, so nothing of
+  its backward is left to read its parameters) releases it, frozen or not. A unit none of whose
+  inputs requires grad (the first layer, the root) is released at the end of backward;
+- the end of backward (an autograd engine callback, queued once per iteration, from the
+  outermost backward) reduces what is left, averages the persistent gradients and releases
+  every unit not held;
+- the root's forward pre-hook resets the iteration: a backward that raised halfway (its callback
+  never ran) leaves nothing gathered and no half-filled bucket behind.
+`holds` counts explicit holders (`ShardedModel.gathered` blocks, wrapped methods such as
+generate): a held unit is never released by a hook.
+"""
+
+import enum
+
+from ...errors import ShardingError
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # no memory: the parameters are empty tensors
+    LOADED = "loaded"  # this rank's shard read (or being read) from disk into the buffer
+    GATHERING = "gathering"  # the all-gather in flight
+    GATHERED = "gathered"  # the parameters are their views of the whole buffer
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Unit:
+    """A wrapped module's sharded parameters, one `FlatParams` per (param group key, dtype,
+    trainable or frozen)."""
+
+    def __init__(self, module, parts: list, name: str = "", check=None):
+        self.module, self.parts = module, parts
+        self.name = name or type(module).__name__
+        self.check = check  # called before each gather this unit starts: [Note: diverging calls]
+        self.params = [p for part in parts for p in part.params]
+        self.numel = sum(p.numel() for part in parts for p in part.views)
+        self.holds = 0  # `ShardedModel.gathered` blocks (and wrapped methods) holding it
+        self.phase = Phase.IDLE
+        self.external = set()  # other units fetched while it ran: gathered and released with it
+        self.saving = []  # state_dict calls in progress on its module: whether each gathered it
+        for part in parts:
+            part.unit = self
+
+    @property
+    def state(self) -> UnitState:
+        if any(part.gathered for part in self.parts):
+            return UnitState.GATHERED
+        if any(part.pending is not None for part in self.parts):
+            return UnitState.GATHERING
+        return UnitState.LOADED if any(part.attached for part in self.parts) else UnitState.SHARDED
+
+    @property
+    def gathered(self) -> bool:
+        """Gathered or gathering."""
+        return any(part.gathered or part.pending is not None for part in self.parts)
+
+    @property
+    def attached(self) -> bool:
+        """Its buffers have memory (gathered, gathering, or read ahead from disk)."""
+        return any(part.attached for part in self.parts)
+
+    def load(self) -> None:
+        for part in self.parts:
+            part.load()
+
+    def start_gather(self) -> None:
+        if self.check is not None and not self.gathered:
+            self.check(self)
+        for part in self.parts:
+            part.start_gather()
+
+    def gather(self) -> None:
+        self.start_gather()
+        for part in self.parts:
+            part.wait()
+
+    def release(self) -> None:
+        for part in self.parts:
+            part.release()
+        self.phase = Phase.IDLE
+
+    def param_name(self, param) -> str:
+        for part in self.parts:
+            for p, name in zip(part.params, part.names):
+                if p is param:
+                    return name
+        raise ShardingError(f"a parameter of no flat buffer of the unit {self.name!r}")
