@@ -381,3 +381,18 @@ def two_ranks(rank, world_size):
 def test_two_ranks():
     """2 ranks: buffers broadcast from rank 0; external and returned parameters; frozen ones sharded."""
     spawn(two_ranks, 2)
+
+
+def test_a_meta_built_model_is_sharded_onto_the_trainers_device(monkeypatch):
+    """`device=` reaches shard_model from the Trainer's wiring (a meta-built model went to the CPU
+    under CUDA): the Trainer's device, checked by what shard_model is called with."""
+    from types import SimpleNamespace
+
+    from trainer_shard.training import build
+
+    seen = {}
+    monkeypatch.setattr(build, "shard_model", lambda model, **kwargs: seen.update(kwargs) or SimpleNamespace(
+        persistent=[], units=[]))  # fmt: skip
+    args = SimpleNamespace(sharded_ddp=["zero_dp_3"], process_index=1, device=torch.device("cuda", 1))
+    build.shard_for_stage3(make(), args, None, [])
+    assert seen["device"] == torch.device("cuda", 1)

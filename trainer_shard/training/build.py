@@ -89,7 +89,8 @@ def shard_for_stage3(model, args, config, decay_names, weights=None, param_offlo
     kwargs["param_offload"] = param_offload
     reduce = config.communication_data_type if config is not None else None
     decay = set(decay_names)
-    sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay,
+    # a meta-built model's parameters go where the Trainer computes (the CUDA device), not the CPU
+    sharded = shard_model(model, units=units, group_fn=lambda name, p: name in decay, device=args.device,
                           reduce_dtype=dtypes.DTYPES.get(reduce), weights=weights, **kwargs)  # fmt: skip
     if args.process_index == 0:
         total = sum(full_numel(p) for p in model.parameters())
