@@ -420,7 +420,7 @@ class _Copy:
 
 
 _DECIDING = threading.Lock()
-_NO_MMAP = "TRAINER_SHARD_NO_MMAP"  # engine.NO_MMAP_ENV: the engine then reads and writes copies itself
+_NO_MMAP = "TRAINER_SHARD_NO_MMAP"  # store_io.NO_MMAP_ENV: the engine then reads and writes copies itself
 
 
 # ---- what a store holds, and every store of this process ---------------------------------------
