@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from statistics import median
 
-from _results import write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
+from _results import cpu_name, write_markdown  # bench/_results.py (these run as scripts: bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / ".venv"
@@ -171,6 +171,8 @@ def table(model: str, results: list, args) -> str:
             f"| {mib(r['param_bytes'])} | {ratio(ddp, 'param_bytes')} | {r['first_loss']:.4f} | {r['final_loss']:.6f} |"
         )
     notes = [f"{ROWS[r['row']][0]}: {k}: {v}" for r in ran for k, v in r["notes"].items()]
+    notes += [f"{ROWS[r['row']][0]}: medians of {len(r['rounds'])} interleaved rounds; each round's step time (s) and "
+              f"peak RSS (MiB): {', '.join(f'{t:.3f} / {m:,}' for t, m in r['rounds'])}" for r in ran if "rounds" in r]
     zero3 = next((r for r in ran if r["row"] == "zero3"), None)
     if zero3:
         d = zero3["param_detail"]
@@ -190,8 +192,9 @@ def header(meta: dict, args) -> str:
         "# ZeRO-3 benchmark (plain training loops)\n\n"
         f"Command: `{meta['command']}` (wall time of the invocation: {meta['wall_s']:.0f} s)\n\n"
         + "".join(f"Rows {', '.join(m.get('rows', []))} of {', '.join(m.get('models', []))} rerun and merged by `{m['command']}` "
-                  f"({m['wall_s']:.0f} s, load average {m['load']} at its start).\n\n" for m in meta.get("merged", []))
-        + "World size 2"
+                  f"({m['wall_s']:.0f} s, load average {m['load']} at its start, CPU: {m.get('cpu', 'not recorded')}).\n\n"
+                  for m in meta.get("merged", []))
+        + f"CPU: {meta.get('cpu', 'not recorded')}. World size 2"
         f" (one `torch.distributed.run --nproc_per_node 2` per row, gloo, CPU, {meta['cpus']} cores, "
         f"load average {meta['load']} at start), {meta['versions']}. Environment of every rank: "
         f"{', '.join(f'{k}={v}' for k, v in BASE_ENV.items())}, PYTHONPATH=<repo>, no MALLOC_* variables "
@@ -242,6 +245,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     parser.add_argument("--steps", type=int, default=8, help="timed steps per row (after 2 warm-up steps)")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per row")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every row this many times, interleaved; report medians and each round")  # fmt: skip
     parser.add_argument("--python", type=Path, default=VENV / "bin" / "python",
                         help="the interpreter for the rows and the report (default bench/.venv, made if missing)")  # fmt: skip
     parser.add_argument("--merge", action="store_true",
@@ -257,7 +262,7 @@ def main() -> None:
         saved = json.loads((RESULTS / "zero3.json").read_text())
         return report(saved["results"], saved["meta"], args)
     started = time.time()
-    meta = {"command": "python bench/zero3.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
+    meta = {"command": "python bench/zero3.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(), "cpu": cpu_name(),
             "load": " ".join(f"{x:.2f}" for x in os.getloadavg()), "steps": args.steps,
             "rows": args.rows, "models": args.model, "versions": versions(python)}  # fmt: skip
     print(meta, flush=True)
@@ -268,12 +273,17 @@ def main() -> None:
         merged_into.setdefault("merged", []).append(meta)
     for model in args.model:
         current = {r["row"]: r for r in all_results.get(model, [])}
+        runs = {row: [] for row in args.rows}
+        for _ in range(args.rounds):  # interleaved: every row once a round, so drifting load hits them alike
+            for row in args.rows:
+                result = run_row(python, row, model, args.steps, args.timeout)
+                print(model, json.dumps({k: v for k, v in result.items() if k != "step_times_rank0"}), flush=True)
+                runs[row].append(result)
         for row in args.rows:
-            result = run_row(python, row, model, args.steps, args.timeout)
-            print(model, json.dumps({k: v for k, v in result.items() if k != "step_times_rank0"}), flush=True)
+            result = combine_rounds(runs[row])
             result["command"] = meta["command"]
             current[row] = result
-            all_results[model] = [current[r] for r in ROWS if r in current]
+        all_results[model] = [current[r] for r in ROWS if r in current]
         # written after each model, so a long second model still leaves the first one's table
         meta["wall_s"] = time.time() - started  # this invocation's
         shown = merged_into if merged_into is not None else meta
@@ -282,6 +292,21 @@ def main() -> None:
         (RESULTS / "zero3.json").write_text(json.dumps({"meta": shown, "args": vars(args) | {"python": str(args.python)},
                                                         "results": all_results}, indent=1))  # fmt: skip
         report(all_results, shown, args)
+
+
+def combine_rounds(runs: list) -> dict:
+    """One row's result over its rounds: the median step time and the median peak RSS, each
+    round's kept (`rounds`: [step s, peak RSS MiB] in the order run) to show the spread. A row
+    skipped in any round is reported skipped."""
+    skipped = next((r for r in runs if "skipped" in r), None)
+    if skipped is not None or len(runs) == 1:
+        return skipped or runs[0]
+    result = dict(runs[len(runs) // 2])
+    for key in ("median_step_s", "peak_rss_bytes", "peak_rss_loop_bytes"):
+        if all(r[key] is not None for r in runs):
+            result[key] = median(r[key] for r in runs)
+    result["rounds"] = [[r["median_step_s"], round(r["peak_rss_bytes"] / 2**20)] for r in runs]
+    return result
 
 
 def report(all_results: dict, meta: dict, args) -> None:

@@ -388,11 +388,51 @@ def test_a_meta_built_model_is_sharded_onto_the_trainers_device(monkeypatch):
     under CUDA): the Trainer's device, checked by what shard_model is called with."""
     from types import SimpleNamespace
 
-    from trainer_shard.training import build
+    from trainer_shard.training import stage3
 
     seen = {}
-    monkeypatch.setattr(build, "shard_model", lambda model, **kwargs: seen.update(kwargs) or SimpleNamespace(
+    monkeypatch.setattr(stage3, "shard_model", lambda model, **kwargs: seen.update(kwargs) or SimpleNamespace(
         persistent=[], units=[]))  # fmt: skip
     args = SimpleNamespace(sharded_ddp=["zero_dp_3"], process_index=1, device=torch.device("cuda", 1))
-    build.shard_for_stage3(make(), args, None, [])
+    stage3.shard_for_stage3(make(), args, None, [])
     assert seen["device"] == torch.device("cuda", 1)
+
+
+def test_the_planner_and_the_trainer_take_their_units_from_one_rule(monkeypatch):
+    """The planner's zero3_units and the Trainer's shard_for_stage3 pick the same modules: both call
+    zero3.auto_wrap_units (they were written three times, and the planner's knew only
+    _no_split_modules); its fallbacks: the ModuleLists' children, then modules by size."""
+    from types import SimpleNamespace
+
+    from transformers import T5Config
+
+    from trainer_shard import planner
+    from trainer_shard.sharding import zero3
+    from trainer_shard.training import stage3
+
+    config = T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=3, num_decoder_layers=2, num_heads=2, d_kv=8)
+    chosen = []
+    real = zero3.auto_wrap_units
+    monkeypatch.setattr(zero3, "auto_wrap_units", lambda model: chosen.append(real(model)[0]) or real(model))
+    monkeypatch.setattr(stage3, "auto_wrap_units", zero3.auto_wrap_units)
+    units = planner.zero3_units(config, world_size=2, persistence_threshold=0)
+    assert [type(m).__name__ for m in chosen[0]] == ["T5Block"] * 5 and len(units.inner) == 5
+    seen = {}
+    monkeypatch.setattr(stage3, "shard_model", lambda model, **kwargs: seen.update(kwargs) or SimpleNamespace(
+        persistent=[], units=[]))  # fmt: skip
+    args = SimpleNamespace(sharded_ddp=["zero_dp_3", "auto_wrap"], process_index=1, device=torch.device("cpu"))
+    from transformers import T5ForConditionalGeneration
+
+    stage3.shard_for_stage3(T5ForConditionalGeneration(config), args, None, [])
+    assert [type(m).__name__ for m in seen["units"]] == ["T5Block"] * 5 and len(chosen) == 2
+
+    class Layers(nn.Module):  # no _no_split_modules: the layers of its ModuleList
+        def __init__(self):
+            super().__init__()
+            self.embed, self.layers = nn.Linear(4, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    model = Layers()
+    assert real(model)[0] == list(model.layers)
+    monkeypatch.setattr("trainer_shard.sharding.zero3.selection.SIZE_BASED_UNIT_NUMEL", 20)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(2, 2))  # neither: modules of at least the size
+    assert real(plain)[0] == [plain[0]]

@@ -157,3 +157,26 @@ def test_a_parameter_store_in_use_by_another_run_is_refused(tiny_model, tmp_path
         if other.is_alive():
             other.kill()
     assert other.exitcode == 0 and files_under(tmp_path / "store") == []
+
+
+def test_a_meta_built_fp32_model_trains_in_bf16(tiny_model, tmp_path):
+    """A user's own `load_meta` in fp32 with --bf16: the Trainer shards it at its start, then the
+    optimizer's cast to bf16 raised (a sharded parameter's dtype cannot change); now the model is
+    cast on the meta device before it is sharded, so its shards and store are bf16 from the start
+    and the cast is a no-op."""
+    from transformers import AutoConfig
+
+    from trainer_shard.loading import load_meta
+
+    config = offload_config(tmp_path)
+    args = ShardedSeq2SeqTrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=True,
+                                           sharded_ddp="zero_dp_3 auto_wrap offload", offload=config)  # fmt: skip
+    model = load_meta(AutoModelForSeq2SeqLM, tiny_model, AutoConfig.from_pretrained(tiny_model), torch.float32)
+    trainer = ShardedSeq2SeqTrainer(model=model, args=args)
+    optimizer = trainer.create_optimizer()
+    try:
+        assert {part.dtype for part in trainer.sharded_model.parts} == {torch.bfloat16}
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    finally:
+        optimizer.close()
+        trainer.sharded_model.close()

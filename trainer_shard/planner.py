@@ -19,8 +19,8 @@ trainer_shard implements it:
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
 fp32 masters in the shards) else 4.
 
-ZeRO-3 (`zero3_units`: the units `shard_model` makes of the meta-device model, one per class in
-its `_no_split_modules`, T5Block for T5, as `zero_dp_3 auto_wrap`): S sharded elements (every
+ZeRO-3 (`zero3_units`: the units `zero_dp_3 auto_wrap` makes of the meta-device model, by the
+rule of `zero3.auto_wrap_units`: one per class in its `_no_split_modules`, T5Block for T5): S sharded elements (every
 unit's flat buffer, padded to N), K kept whole on every rank (at most `PERSISTENCE_THRESHOLD`
 elements: layer norms, biases; AdamW state in their dtype); "gathered" is the gather pool
 (`GatherPool`: after the first step it keeps, for each buffer size, as many buffers as are ever
@@ -163,18 +163,19 @@ class Units:
 
 
 def zero3_units(config, world_size: int, persistence_threshold: int | None = None) -> Units:
-    """The units `shard_model(model, units=<the model's _no_split_modules>)` makes (`zero_dp_3
-    auto_wrap`), from the meta-device model: the same ownership rule (a parameter belongs to the
+    """The units `zero_dp_3 auto_wrap` makes (`zero3.auto_wrap_units`, the rule the Trainer's
+    wiring uses), from the meta-device model: the same ownership rule (a parameter belongs to the
     innermost unit holding all its users; T5's tied embedding to the root) and threshold."""
     from transformers import AutoModelForSeq2SeqLM
 
     from .offload.dispatch import empty_model
-    from .sharding.zero3 import PERSISTENCE_THRESHOLD, owners, unit_modules
+    from .sharding.zero3 import PERSISTENCE_THRESHOLD, auto_wrap_units, owners, unit_modules
 
     threshold = PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold
     model = empty_model(AutoModelForSeq2SeqLM, config)
-    classes = tuple(sorted(getattr(model, "_no_split_modules", None) or ()))
-    modules = unit_modules(model, [m for m in model.modules() if type(m).__name__ in classes])
+    found, _ = auto_wrap_units(model)
+    classes = tuple(sorted({type(m).__name__ for m in found}))
+    modules = unit_modules(model, found)
     owner, _ = owners(model, modules)
     sharded, persistent = {id(m): 0 for m in modules}, 0
     for p, module in owner.items():
@@ -434,7 +435,7 @@ def _probe_main(model: str, precision: str, source_length: int, target_length: i
     import torch
     from transformers import AutoModelForSeq2SeqLM, Seq2SeqTrainer  # noqa: F401  (what training imports)
 
-    from . import finetune, metrics  # noqa: F401
+    from . import metrics, trainer  # noqa: F401  (what a training run imports besides)
     from .dtypes import half_dtype
 
     runtime = _rss()

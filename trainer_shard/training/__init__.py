@@ -10,4 +10,45 @@ them.
 - `build`: the `ShardedOptimizer` the plan asks for, around the optimizer the Trainer builds.
 - `checkpoints`: staged checkpoint saves, the optimizer shards and the LR schedule in them.
 - `supervision`: the fault watch and interrupts around `train()`.
+- `stage3`: ZeRO-3's model sharding (units, persistence, a meta-built model read from its files).
+- `saving`: the model's files as the Trainer's `_save` writes them.
+
+What the mixin does, told from the user's side:
+
+`ShardedTrainerMixin` goes first in the bases of any Trainer subclass:
+
+    class MyTrainer(ShardedTrainerMixin, Seq2SeqTrainer): ...
+
+With neither `--sharded_ddp` nor `--offload` it changes nothing the Trainer computes: the same
+seed and data give bit-identical weights. What it always adds is the distributed guard: a run
+launched on several processes that would not train together stops with a clear error.
+
+With `--sharded_ddp simple|zero_dp_2` it swaps in `ShardedOptimizer` around the optimizer the
+Trainer would have built (same class, hyperparameters and weight-decay groups):
+
+- `simple` (ZeRO-1): the model is wrapped in DDP as usual; each rank steps its shard.
+- `zero_dp_2` (ZeRO-2): no DDP; the optimizer's backward hooks reduce-scatter the gradients.
+- `zero_dp_3` (ZeRO-3): no DDP; the parameters are sharded too (`sharding.zero3`), one unit per
+  layer with `auto_wrap` (else the whole model is one unit), gathered for each forward and
+  backward; the model is sharded when the optimizer is built, so evaluation before training
+  runs on the whole model. Saving streams `model.safetensors` a unit at a time; generate()
+  runs with `synced_gpus` so ranks finishing first keep step with the others.
+- `--bf16` / `--fp16`: the model's parameters and gradients become 16-bit; each rank keeps fp32
+  master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
+- gradient clipping and the logged grad norm use the global norm over all shards;
+  checkpoints hold each rank's optimizer shard and resume at any world size (see
+  [Note: sharded checkpoints]).
+
+With `--offload CONFIG.json` (or `--sharded_ddp "zero_dp_2 offload"`, CPU offload with the
+defaults) the optimizer's master weights and state go to the offload engine's store, CPU RAM
+or disk, and the config's sections take effect (`config.apply`): its ZeRO stage when
+`--sharded_ddp` names none, bucket sizes, `overlap_comm`, the optimizer (replacing `--optim`),
+the WarmupLR/WarmupDecayLR schedule (replacing `--lr_scheduler_type`) and the fp16 loss scaler.
+On one process, offload runs the ZeRO-2 path on a world of one.
+
+At stage 3 the config's `offload_param` (device cpu or nvme) puts the parameter shards, and on
+disk their gradient shards too, in a store of their own (`offload.param_store`), read ahead a
+unit at a time; the optimizer must be offloaded as well (`offload_optimizer`, or the `offload` of
+`--sharded_ddp "zero_dp_3 offload"`: CPU RAM). Room on disk for both stores, and their folders
+free of other runs, are checked when the Trainer is built, before anything is written.
 """

@@ -44,10 +44,24 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, rotate_checkpoints
 
 from .. import comm, faults
-from ..checkpoint import MANIFEST, STAGING, finish_publish, manifest_problems, publish, write_manifest
+from ..checkpoint import MANIFEST, STAGING, check_writable, finish_publish, manifest_problems, publish, write_manifest
 from ..disk import describe_write_error, format_bytes, is_write_error
 from ..errors import CheckpointError
 from ..sharding import state_io
+from .supervision import save_on_interrupt
+
+
+def check_output_room(args, checkpoint_bytes) -> None:
+    """Before training: --output_dir writable, with room for a checkpoint (or the final model:
+    `checkpoint_bytes(with_optimizer=...)`), each node's as --save_on_each_node needs; a staging
+    folder a crash left behind cleared."""
+    saves = args.save_strategy != "no" or save_on_interrupt(args)
+    purpose = " for a checkpoint of this run" if saves else " for the trained model"
+    check_writable(args.output_dir, checkpoint_bytes(with_optimizer=saves), "--output_dir", purpose)
+    if saves:
+        check_output_dirs(args)
+    if args.should_save:
+        clear_staging(args.output_dir)
 
 
 def clear_staging(output_dir) -> None:

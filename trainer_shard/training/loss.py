@@ -17,8 +17,11 @@ loss. On one process without accumulation both answers compute the same thing.
 """
 
 import inspect
+import logging
 
 from transformers import PreTrainedModel
+
+logger = logging.getLogger(__name__)
 
 _MISSING = object()
 
@@ -88,3 +91,26 @@ class LossKwargsObserver:
             return loss_function(*args, **kwargs)
 
         return recording
+
+
+def observed_first_step(trainer, model, inputs, num_items_in_batch, return_outputs, compute):
+    """The first training step of a model that takes **kwargs and declares nothing: it is given the
+    count as the Trainer would give it, with the Trainer's rescaling held back until the model
+    shows whether it divides by the count; `trainer.model_accepts_loss_kwargs` set by what it did.
+    `compute(inputs)`: the Trainer's own `compute_loss` on `inputs`."""
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    observer = LossKwargsObserver(unwrapped)
+    trainer.model_accepts_loss_kwargs = False
+    with observer:
+        result = compute({**inputs, "num_items_in_batch": num_items_in_batch})
+    name = type(unwrapped).__name__
+    if not observer.normalized:
+        logger.info("%s returns a per-batch mean loss: not rescaling it by token counts", name)
+        return result
+    trainer.model_accepts_loss_kwargs = True
+    args = trainer.args
+    if args.average_tokens_across_devices:  # as Trainer.compute_loss scales a normalized loss
+        scale = trainer.accelerator.num_processes // trainer.get_tp_size() if args.n_gpu <= 1 else args.n_gpu
+        result = (result[0] * scale, result[1]) if return_outputs else result * scale
+    logger.info("%s divides its loss by the token count: the Trainer's normalization applies", name)
+    return result

@@ -1,5 +1,6 @@
 """The ZeRO stage and offload of a run, and the room it needs, decided before anything is built.
 
+    plan_trainer(trainer)                             # all of the below for a Trainer, at its start
     stage, spec = plan(args, config)                  # --sharded_ddp and the --offload config
     stage, spec, params = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
     states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import comm, dtypes
-from ..args import ShardedDDPOption, stage_from_options
+from ..args import ShardedDDPOption, set_ddp_bucket, stage_from_options, world_size_from_env
 from ..checkpoint import unique_state_dict
 from ..config import apply as config_apply
 from ..disk import free_bytes, same_disk
@@ -46,6 +47,37 @@ def plan(args, config) -> tuple:
         spec = OffloadSpec("cpu", pin_memory=torch.cuda.is_available())
     check_stage_args(args, stage)
     return stage, spec
+
+
+def plan_trainer(trainer) -> None:
+    """A Trainer's plan, when it is built: its `_sharding_stage`, `offload_spec` and
+    `param_offload_spec` from the flags and the --offload config (or chosen by `--sharded_ddp
+    auto` when there is a training set), the config's optimizer as the Trainer's
+    `optimizer_cls_and_kwargs`, its "auto" sizes checked, and room on disk for both stores.
+    Collective under `auto`."""
+    args, config = trainer.args, trainer.offload_config
+    stage, spec = plan(args, config)
+    params = param_offload_spec(config) if stage == 3 else None  # ZeRO-3's parameter store
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if ShardedDDPOption.AUTO in (getattr(args, "sharded_ddp", None) or []) and trainer.train_dataset is not None:
+        stage, spec, params = choose_strategy(args, model, trainer.train_dataset, config)  # nothing to choose for eval
+    trainer._sharding_stage, trainer.offload_spec, trainer.param_offload_spec = stage, spec, params
+    config_optimizer = config_apply.optimizer_cls_and_kwargs(config, args)
+    if config_optimizer is not None:
+        if trainer.optimizer_cls_and_kwargs is not None or trainer.optimizer is not None:
+            raise ArgumentError("the --offload config has an `optimizer` section and the trainer was given its own "
+                                "optimizer; keep one")  # fmt: skip
+        trainer.optimizer_cls_and_kwargs = config_optimizer
+    if config is not None:  # "auto" sizes need the model's hidden size: say so before training
+        sizes = config_apply.hidden_size_fills(config, model)
+        if stage == 1 and config.reduce_bucket_size is None:
+            problems = set_ddp_bucket(args, sizes["reduce_bucket_size"], args.offload)
+            if problems:
+                raise ArgumentError(problems)
+    world_size = world_size_from_env()
+    states = trainer._state_tensors()
+    param_bytes = param_store_bytes(params, model, world_size, args, config)
+    check_disk_room(spec, model, states, args.process_index, world_size, params, param_bytes)
 
 
 def check_stage_args(args, stage) -> None:

@@ -71,8 +71,8 @@ its real tensor), so ties and names are the model's. Persistent parameters are r
 from .flat_params import FlatParams, full_numel
 from .model import ShardedModel
 from .pool import GatherPool
-from .selection import PERSISTENCE_THRESHOLD, owners, shard_model, sharded_part, unit_modules
+from .selection import PERSISTENCE_THRESHOLD, auto_wrap_units, owners, shard_model, sharded_part, unit_modules
 from .unit import Phase, Unit, UnitState
 
 __all__ = ["FlatParams", "full_numel", "GatherPool", "PERSISTENCE_THRESHOLD", "Phase", "ShardedModel", "Unit", "UnitState",
-           "owners", "shard_model", "sharded_part", "unit_modules"]
+           "auto_wrap_units", "owners", "shard_model", "sharded_part", "unit_modules"]

@@ -24,6 +24,7 @@ its master elsewhere follows. Both are collectives: every rank calls them.
 import torch
 
 from ...errors import ShardingError
+from .unit import UnitState
 
 
 class ShardedParameters(dict):
@@ -35,7 +36,7 @@ class ShardedParameters(dict):
     def __getitem__(self, name):
         param = dict.__getitem__(self, name)
         part = _part(param)
-        if part is not None and not part.gathered:
+        if part is not None and part.state is not UnitState.GATHERED:
             part.unit.sharded.fetch_external(param, part)
         return param
 

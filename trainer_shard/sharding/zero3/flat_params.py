@@ -26,6 +26,7 @@ from torch.autograd.profiler import record_function
 from ... import comm
 from ..partition import plan_layout
 from .grad_shard import GradShard
+from .unit import UnitState
 
 
 def full_numel(param) -> int:
@@ -65,10 +66,10 @@ class FlatParams(GradShard):
         self.nbytes = self.buffer.numel() * self.buffer.element_size()
         self.buffer.untyped_storage().resize_(0)  # from now on its memory comes from the pool
         self.hide()
-        self.slot, self.attached = None, False  # the pool's token while the buffer has memory
-        self.pending = None  # the handle of an asynchronous gather in flight
-        self.loading = None  # the future of this rank's shard being read from disk into the buffer
-        self.gathered = False  # the gather has completed: the parameters are their views
+        self.state = UnitState.SHARDED  # see [Note: unit lifecycle]; moved only by the methods below
+        self.slot = None  # the pool's token while the buffer has memory (any state but SHARDED)
+        self.pending = None  # GATHERING: the handle of the asynchronous all-gather
+        self.loading = None  # LOADED: the future of this rank's shard being read from disk, if it is
 
     @torch.no_grad()
     def _fill(self, fetch, device) -> None:
@@ -115,7 +116,7 @@ class FlatParams(GradShard):
         """This rank's parameters, shard elements [start, start + len(values)) <- `values` (cast).
         A read ahead of the old shard (`load`, not gathered yet) is dropped: the next gather reads
         the new one."""
-        if self.attached and not self.gathered:
+        if self.state in (UnitState.LOADED, UnitState.GATHERING):
             self.release()
         if self.shard is None:
             self.store.write(self.store_name, start, values.to(self.dtype))
@@ -140,9 +141,9 @@ class FlatParams(GradShard):
     def load(self) -> None:
         """Give the buffer memory and start reading this rank's shard from disk into its slice
         (on the store's reader thread), ahead of the gather. Not collective."""
-        if self.attached:
+        if self.state is not UnitState.SHARDED:
             return
-        self.slot, self.attached = self.pool.attach(self.buffer, self.nbytes), True
+        self.slot, self.state = self.pool.attach(self.buffer, self.nbytes), UnitState.LOADED
         if self.shard is None:
             self.loading = self.store.read_async(self.store_name, 0, self._mine())
 
@@ -151,7 +152,7 @@ class FlatParams(GradShard):
 
     def start_gather(self) -> None:
         """Refill the flat buffer from every rank's shard, asynchronously. Collective."""
-        if self.gathered or self.pending is not None:
+        if self.state in (UnitState.GATHERING, UnitState.GATHERED):
             return
         if self.master is not None and self.shard_param._version != self._master_version:
             with torch.no_grad():
@@ -165,12 +166,13 @@ class FlatParams(GradShard):
         with record_function("trainer_shard::zero3_all_gather"):
             mine = self._mine() if self.shard is None else self.shard
             self.pending = comm.all_gather(self.buffer, mine, self.group, async_op=True)
+        self.state = UnitState.GATHERING
 
     def wait(self) -> None:
-        if self.pending is not None:
+        if self.state is UnitState.GATHERING:
             self.pending.wait()
             self.pending = None
-            self.gathered = True
+            self.state = UnitState.GATHERED
             self.expose()
 
     def release(self) -> None:
@@ -181,12 +183,12 @@ class FlatParams(GradShard):
         if self.loading is not None:  # a read ahead never used: the same
             self.loading.result()
             self.loading = None
-        if self.gathered:
+        if self.state is UnitState.GATHERED:
             self.hide()
-        if self.attached:
+        if self.state is not UnitState.SHARDED:
             self.pool.detach(self.buffer, self.slot)
-            self.slot, self.attached = None, False
-        self.gathered = False
+            self.slot = None
+        self.state = UnitState.SHARDED
 
     @torch.no_grad()
     def write_back(self) -> None:

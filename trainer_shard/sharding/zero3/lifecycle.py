@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import comm
 from ...errors import ShardingError
-from .unit import Phase
+from .unit import Phase, UnitState
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class Lifecycle:
         if type(packed) is not tuple:
             return packed
         tensor, unit = packed
-        if not unit.gathered or any(part.pending is not None for part in unit.parts):
+        if any(part.state is not UnitState.GATHERED for part in unit.parts):
             with record_function("trainer_shard::zero3_saved_view_gather"):
                 unit.gather()
             self._backward_external.add(unit)

@@ -10,6 +10,29 @@ PERSISTENCE_THRESHOLD = 100_000
 """Parameters of at most this many elements stay whole on every rank (DeepSpeed's
 `stage3_param_persistence_threshold` default; DeepSpeed too keeps `numel <= threshold` whole)."""
 
+SIZE_BASED_UNIT_NUMEL = 10**8
+"""auto_wrap's fallback for a model without `_no_split_modules` and without a ModuleList of layers:
+a module of at least this many elements is a unit (FSDP's `size_based_auto_wrap_policy` default)."""
+
+
+def auto_wrap_units(model) -> tuple:
+    """(the modules `auto_wrap` makes units of, how they were chosen): every instance of the
+    classes in the model's `_no_split_modules` (`T5Block` for T5: what transformers keeps on one
+    device), else the children of each `ModuleList` (a model's layers), else every module of at
+    least `SIZE_BASED_UNIT_NUMEL` elements. The one rule: the Trainer's wiring and the planner's
+    estimate both take their units from here."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    if found:
+        return found, f"one unit per {', '.join(sorted({type(m).__name__ for m in found}))} ({len(found)} units, " \
+                      "from the model's _no_split_modules)"
+    found = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    if found:
+        return found, f"one unit per layer of the model's ModuleLists ({len(found)} units)"
+    found = [m for m in model.modules() if m is not model
+             and sum(p.numel() for p in m.parameters()) >= SIZE_BASED_UNIT_NUMEL]  # fmt: skip
+    return found, f"one unit per module of at least {SIZE_BASED_UNIT_NUMEL:.0e} elements ({len(found)} units)"
+
 
 def _device_of(model) -> torch.device:
     """Where the flat buffers of a meta-device model go: its first real tensor's device, else the CPU."""

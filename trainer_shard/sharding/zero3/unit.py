@@ -1,7 +1,8 @@
 """A unit: a wrapped module's sharded parameters, gathered and released together.
 
-[Note: unit lifecycle] A unit's memory is in one of four states (`UnitState`), read off its flat
-buffers, never kept in a flag of its own:
+[Note: unit lifecycle] A unit's memory is in one of four states (`UnitState`), kept by each of its
+flat buffers (`FlatParams.state`, moved only by `load`, `start_gather`, `wait` and `release`; the
+unit's is theirs, which move together):
 
     SHARDED --load (parameters on disk: read ahead)--> LOADED --start_gather--> GATHERING
     SHARDED --start_gather (prefetch, or gather)--> GATHERING --wait--> GATHERED --release--> SHARDED
@@ -27,6 +28,12 @@ and the iteration moves it through phases (`Phase`), each transition made by one
   never ran) leaves nothing gathered and no half-filled bucket behind.
 `holds` counts explicit holders (`ShardedModel.gathered` blocks, wrapped methods such as
 generate): a held unit is never released by a hook.
+
+What else a flat buffer keeps is not the unit's life but the optimizer's protocol, the same for
+ZeRO-1/2's `flat.FlatGroup`: where its gradient and master live (`offloaded`, `grad_stored`: set
+once by `configure` when the optimizer is built), whether the gradient shard holds anything of
+this step (`stale`, `accumulated`: [Note: stale gradients] in flat.py) and whether weights were
+written behind the optimizer's back (`edited`: [Note: parameters edited from outside]).
 """
 
 import enum
@@ -66,21 +73,19 @@ class Unit:
 
     @property
     def state(self) -> UnitState:
-        if any(part.gathered for part in self.parts):
-            return UnitState.GATHERED
-        if any(part.pending is not None for part in self.parts):
-            return UnitState.GATHERING
-        return UnitState.LOADED if any(part.attached for part in self.parts) else UnitState.SHARDED
+        """The furthest of its flat buffers' states (they move together: see the Note)."""
+        states = {part.state for part in self.parts}
+        return next((s for s in reversed(UnitState) if s in states), UnitState.SHARDED)
 
     @property
     def gathered(self) -> bool:
         """Gathered or gathering."""
-        return any(part.gathered or part.pending is not None for part in self.parts)
+        return self.state in (UnitState.GATHERING, UnitState.GATHERED)
 
     @property
     def attached(self) -> bool:
         """Its buffers have memory (gathered, gathering, or read ahead from disk)."""
-        return any(part.attached for part in self.parts)
+        return self.state is not UnitState.SHARDED
 
     def load(self) -> None:
         for part in self.parts:
