@@ -1,6 +1,6 @@
 """One row of bench/infinity.py, in its own process (its peak RSS is its own); prints one JSON line.
 
-    python bench/_infinity_worker.py ROW ARCH --steps N --work DIR [--checkpoint DIR]
+    python bench/_infinity_worker.py ROW ARCH --steps N --work DIR [--checkpoint DIR] [--compute_dtype auto|bf16|fp32]
 
 Rows (one process, a plain training loop, no Trainer; one batch of random tokens every step, so
 the loss falls as the model fits it; fused AdamW lr 1e-4 weight decay 0.01, gradient clipping at 1.0):
@@ -13,6 +13,8 @@ the loss falls as the model fits it; fused AdamW lr 1e-4 weight decay 0.01, grad
   ShardedOptimizer(stage=3) with master weights and moments on disk;
 - zero3_fwd_bwd: as zero3_disk without an optimizer: one forward and backward, the gradients
   written to the parameter store (for architectures whose Adam state has no room on disk).
+The bf16 rows compute in --compute_dtype as the Trainer does (`compute.ComputeCast`, one T5Block
+cast to fp32 while it runs, where fp32 is chosen).
 """
 
 import argparse
@@ -66,10 +68,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", required=True)
     parser.add_argument("--checkpoint")
+    parser.add_argument("--compute_dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                        help="the bf16 rows' matrix products, as the Trainer's flag "
+                        "(auto: fp32 on a CPU without bf16 kernels)")  # fmt: skip
     args = parser.parse_args()
     from transformers import T5ForConditionalGeneration
     from transformers.models.t5.modeling_t5 import T5Block
 
+    from trainer_shard.compute import ComputeCast, choose_compute_dtype, dtype_name
     from trainer_shard.demo import RandomT5Weights
     from trainer_shard.offload import OffloadSpec
     from trainer_shard.offload.param_store import ParamOffloadSpec
@@ -115,6 +121,15 @@ def main() -> None:
         else:
             for part in sharded.parts:
                 part.configure(offloaded=True)  # the gradients go to the parameter store
+    compute, cast = "fp32", None
+    if args.row != "plain_fp32":  # bf16 parameters: computed as the Trainer would (compute.ComputeCast)
+        dtype, line = choose_compute_dtype(args.compute_dtype, torch.bfloat16, "cpu")
+        compute = dtype_name(dtype)
+        print(line, file=sys.stderr, flush=True)
+        if dtype == torch.float32:
+            units = [m for m in model.modules() if isinstance(m, T5Block)]
+            cast = ComputeCast(model, dtype, units=units,
+                               ensure_ready=sharded.gather_for_backward if sharded is not None else None)  # fmt: skip
     build_seconds = time.perf_counter() - began
     model.train()
     times, losses, io = [], [], []
@@ -139,7 +154,10 @@ def main() -> None:
         print(f"step {step}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     result = {"row": args.row, "arch": args.arch, "parameters": sum(p.numel() for p in model.parameters()),
               "build_seconds": build_seconds, "step_seconds": times, "losses": losses, "io": io,
-              "peak_rss": peak_rss()}  # fmt: skip
+              "peak_rss": peak_rss(), "compute": compute}  # fmt: skip
+    if cast is not None:
+        result["compute_pool_bytes"] = cast.pool_bytes()
+        cast.remove()
     if sharded is not None:
         result["on_disk"] = sharded.held_parameter_bytes()["on_disk"]
     if isinstance(opt, ShardedOptimizer):

@@ -32,7 +32,7 @@ from pathlib import Path
 from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_markdown  # noqa: E402
+from _results import cpu_name, write_markdown  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -78,13 +78,16 @@ def disk_bandwidth(folder: Path, size: int = 4 * GIB, block: int = 16 * 2**20, o
 
 
 def run_row(row: str, arch: str, steps: int, folder: Path, timeout: int, checkpoint: Path | None = None,
-            python: Path = PY, worker: Path = WORKER, env: dict | None = None) -> dict:  # fmt: skip
+            python: Path = PY, worker: Path = WORKER, env: dict | None = None,
+            compute: str | None = None) -> dict:  # fmt: skip
     work = folder / f"{row}-{arch}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cmd = [str(python), str(worker), row, arch, "--steps", str(steps), "--work", str(work)]
     if checkpoint is not None:
         cmd += ["--checkpoint", str(checkpoint)]
+    if compute is not None:
+        cmd += ["--compute_dtype", compute]
     print("+", " ".join(cmd), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     try:
@@ -146,7 +149,10 @@ def deepspeed_version(python: Path) -> str:
 
 
 def name_of(r: dict) -> str:
-    return NAMES.get(r["row"], r["row"]) + (f", {r['optimizer']}" if "optimizer" in r else "")
+    compute = f", compute {r['compute']}" if r.get("compute") and r["row"] != "plain_fp32" else ""
+    if r.get("asked") and r["asked"] != r.get("compute"):
+        compute += f" ({r['asked']})"
+    return NAMES.get(r["row"], r["row"]) + compute + (f", {r['optimizer']}" if "optimizer" in r else "")
 
 
 def table(results: list) -> str:
@@ -177,6 +183,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=3600)
     parser.add_argument("--out", type=Path, default=RESULTS / "infinity")
     parser.add_argument("--bandwidth-gib", type=float, default=4, help="size of the disk bandwidth test file")
+    parser.add_argument("--compute", nargs="+", default=["auto"], choices=["auto", "bf16", "fp32"],
+                        help="compute dtypes of the large set's bf16 rows (zero2_disk, zero3_disk), each a row")  # fmt: skip
     parser.add_argument("--python", type=Path, default=BENCH_PY,
                         help="the interpreter for the DeepSpeed rows (default bench/.venv, made if missing)")  # fmt: skip
     args = parser.parse_args()
@@ -189,7 +197,9 @@ def main() -> None:
     if "large" in args.rows:
         large = [row for row in LARGE_ROWS if row in args.large_rows]
         for row in (r for r in large if not r.startswith("deepspeed")):
-            results.append(summarize(run_row(row, args.large_arch, args.steps, args.folder, args.timeout), bandwidth))
+            for compute in args.compute if row != "plain_fp32" else [None]:
+                result = run_row(row, args.large_arch, args.steps, args.folder, args.timeout, compute=compute)
+                results.append(summarize({**result, "asked": compute}, bandwidth))
         if any(r.startswith("deepspeed") for r in large):
             why = deepspeed_env(python)
             meta["deepspeed"] = {"python": str(python), "env": DS_EXTRA,
@@ -214,14 +224,15 @@ def main() -> None:
         results.append(result)
     if "11b" in args.rows:
         results.append(summarize(run_row("zero3_fwd_bwd", "t5-11b", 1, args.folder, args.timeout), bandwidth))
-    meta = {"bandwidth": bandwidth, "cpus": os.cpu_count(), "command": " ".join(sys.argv), **meta}
+    meta = {"bandwidth": bandwidth, "cpus": os.cpu_count(), "cpu": cpu_name(), "command": " ".join(sys.argv), **meta}
     peer = (f"DeepSpeed rows: {meta['deepspeed']['versions']} ({meta['deepspeed']['python']}, DS_ACCELERATOR=cpu, "
             "world size 1 on gloo), bf16 with fp32 master weights, gradient clipping 1.0.\n\n") if "deepspeed" in meta else ""  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(table(results))
     text = (f"# Models bigger than RAM: parameters, gradients and optimizer state on disk\n\n"
-            f"Written by `python {' '.join(sys.argv)}` (bench/infinity.py), {os.cpu_count()} CPUs, one process.\n\n"
+            f"Written by `python {' '.join(sys.argv)}` (bench/infinity.py), {os.cpu_count()} CPUs, one process. "
+            f"CPU: {meta['cpu']}.\n\n"
             f"Disk under {args.folder}: sequential write {bandwidth['write'] / GIB:.2f} GiB/s (fsync'd), read "
             f"{bandwidth['read'] / GIB:.2f} GiB/s (page cache dropped), {bandwidth['read_cached'] / GIB:.2f} GiB/s "
             f"from the page cache.\n\n{peer}{table(results)}\n")  # fmt: skip

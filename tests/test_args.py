@@ -137,3 +137,20 @@ def test_unshardable_optimizer_refused_at_parse_time(tmp_path):
     with pytest.raises(ArgumentError, match="--optim adafactor cannot be sharded"):
         make_args(tmp_path, sharded_ddp="zero_dp_2", optim="adafactor")
     assert make_args(tmp_path, optim="adafactor").optim == "adafactor"  # fine without sharding
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (dict(compute_dtype="float64"), "--compute_dtype 'float64': choose auto, fp32, bf16, fp16"),
+    (dict(compute_dtype="bf16"), "but they are fp32 (--bf16/--fp16 choose it); add --bf16"),
+    (dict(compute_dtype="fp16", bf16=True), "but they are bf16 (--bf16/--fp16 choose it); pass --compute_dtype bf16 or fp32"),
+])  # fmt: skip
+def test_a_compute_dtype_the_parameters_cannot_compute_in_is_refused(tmp_path, flags, fragment):
+    with pytest.raises(ArgumentError) as raised:
+        make_args(tmp_path, **flags)
+    assert fragment in str(raised.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags", [dict(), dict(compute_dtype="fp32"), dict(compute_dtype="fp32", bf16=True),
+                                   dict(compute_dtype="bf16", bf16=True), dict(compute_dtype="auto", fp16=True)])
+def test_compute_dtypes_that_fit_the_storage_are_taken(tmp_path, flags):
+    assert make_args(tmp_path, **flags).compute_dtype == flags.get("compute_dtype", "auto")

@@ -273,6 +273,22 @@ def _size_problems(args) -> list:
     return []
 
 
+def _compute_problems(args) -> list:
+    """--compute_dtype: a name it knows, and 16-bit compute only in the 16-bit dtype parameters are
+    stored in (fp32 storage computes in fp32; bf16 storage cannot compute in fp16)."""
+    from .constants import PRECISIONS
+
+    value = args.compute_dtype
+    if value not in ("auto", *PRECISIONS):
+        return [f"--compute_dtype {value!r}: choose auto, {', '.join(PRECISIONS)}"]
+    storage = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if value in ("bf16", "fp16") and value != storage:
+        fix = f"add --{value}" if storage == "fp32" else f"pass --compute_dtype {storage} or fp32"
+        return [f"--compute_dtype {value} computes in the 16-bit dtype the parameters are stored in, but they are "
+                f"{storage} (--bf16/--fp16 choose it); {fix}"]
+    return []
+
+
 def _output_problems(args) -> list:
     """--output_dir on a read-only disk: the Trainer would fail creating it, with a traceback.
     (Room for checkpoints is checked when training starts, once the model's size is known.)"""
@@ -379,6 +395,13 @@ class ShardingArguments:
                   "error naming the rank at fault (the Trainer's default is 1800; raise it when one rank does long "
                   "work alone)."},
     )
+    compute_dtype: str = field(
+        default="auto",
+        metadata={"help": "The dtype the matrix products run in, apart from the parameters' storage (--bf16/--fp16 "
+                  "keep 16-bit parameters, shards, stores and gradient reduction): 'auto' (on a CPU, times a small "
+                  "product at start and computes in fp32 where 16-bit is more than 2x slower, as on CPUs without "
+                  "bf16 kernels; on CUDA the 16-bit dtype), 'bf16', 'fp16' (the storage dtype) or 'fp32'."},
+    )
     max_shard_size: str = field(
         default="5GB",
         metadata={"help": "Largest weights file of a saved model or checkpoint (5GB, 500MB, 2GiB...): bigger models "
@@ -392,6 +415,7 @@ class ShardingArguments:
         problems += _peer_problems(self, options)
         problems += _distributed_problems(self)
         problems += _size_problems(self)
+        problems += _compute_problems(self)
         problems += _output_problems(self)
         if not problems:
             problems = _unbuilt_problems(options)

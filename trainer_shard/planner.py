@@ -19,6 +19,12 @@ trainer_shard implements it:
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
 fp32 masters in the shards) else 4.
 
+Compute dtype (`--compute_dtype`, `compute.py`): with 16-bit parameters computed in fp32 (`auto`
+on a CPU without 16-bit matrix kernels) the sharded strategies also hold the compute buffers,
+4 (L + R) bytes: the fp32 copies of one layer L (the largest `auto_wrap_units` layer, cast while it
+runs, pooled) and of the modules outside the layers R (ZeRO-3's root unit: T5's shared embedding);
+and the activations are probed in fp32. Under DDP fp32 compute is plain fp32 (no autocast).
+
 ZeRO-3 (`zero3_units`: the units `zero_dp_3 auto_wrap` makes of the meta-device model, by the
 rule of `zero3.auto_wrap_units`: one per class in its `_no_split_modules`, T5Block for T5): S sharded elements (every
 unit's flat buffer, padded to N), K kept whole on every rank (at most `PERSISTENCE_THRESHOLD`
@@ -316,19 +322,31 @@ def disk_traffic(strategy: str, offload, trainable: int, world: int, precision: 
     return {"read": 2 * params + grads + optimizer, "written": grads + optimizer + params}
 
 
-def probe_modes(precision: str) -> dict:
+def probe_modes(precision: str, compute: str | None = None) -> dict:
     """The probe each strategy needs: DDP trains fp32 weights (autocast for --bf16/--fp16), the
-    sharded strategies 16-bit parameters."""
-    if precision == "fp32":
+    sharded strategies 16-bit parameters; fp32 `compute` (the compute dtype apart from the
+    16-bit storage) makes fp32 activations for both."""
+    if precision == "fp32" or compute == "fp32":
         return {"ddp": "fp32", "sharded": "fp32"}
     return {"ddp": f"autocast-{precision}", "sharded": precision}
 
 
+def compute_buffer_bytes(strategy: str, precision: str, compute: str | None, units: "Units | None") -> int:
+    """The fp32 copies `compute.ComputeCast` holds (see the module docstring): 4 (L + R) bytes
+    where 16-bit parameters compute in fp32 under a sharded strategy, else 0."""
+    if strategy == "ddp" or precision == "fp32" or compute != "fp32" or units is None:
+        return 0
+    return 4 * (units.largest + units.root)
+
+
 def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
-             device: str = "cpu", probes: dict | None = None, max_memory: int | None = None) -> list:
+             device: str = "cpu", probes: dict | None = None, max_memory: int | None = None,
+             compute: str | None = None) -> list:  # fmt: skip
     """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, the
     bytes the node's disk reads and writes a step (`disk_traffic`), fits.
-    `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device."""
+    `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device.
+    `compute`: the compute dtype's name ("fp32" over 16-bit `precision` adds the compute buffers,
+    `compute_buffer_bytes`); None: the precision's own."""
     total, trainable = count_parameters(config)
     units = zero3_units(config, world_size)
     if probes is None:
@@ -338,6 +356,7 @@ def estimate(config, *, world_size: int, precision: str, batch_size: int, source
         probe = probes["ddp" if strategy == "ddp" else "sharded"]
         activations = probe.activations(batch_size)
         parts = strategy_bytes(strategy, offload, total, trainable, world_size, precision, units)
+        parts["device"] += compute_buffer_bytes(strategy, precision, compute, units)
         if device == "cpu":  # one memory: the "device" is CPU RAM
             per_rank = probe.runtime + parts["device"] + parts["cpu"] + activations
             node = world_size * per_rank
@@ -403,9 +422,10 @@ def dataset_lengths(dataset, default: int = 128) -> tuple:
 # ---- the probe --------------------------------------------------------------------------------
 
 
-def measure_probes(model: str, precision: str, source_length: int, target_length: int, device: str = "cpu") -> dict:
-    """{"ddp": Probe, "sharded": Probe} for `precision` (one probe when they are the same)."""
-    modes = probe_modes(precision)
+def measure_probes(model: str, precision: str, source_length: int, target_length: int, device: str = "cpu",
+                   compute: str | None = None) -> dict:  # fmt: skip
+    """{"ddp": Probe, "sharded": Probe} for `precision` and `compute` (one probe when they are the same)."""
+    modes = probe_modes(precision, compute)
     done = {mode: measure_probe(model, mode, source_length, target_length, device) for mode in set(modes.values())}
     return {kind: done[mode] for kind, mode in modes.items()}
 
@@ -572,6 +592,16 @@ def zero3_note(units: Units) -> str:
             "buffers of at most that many units in RAM; max_in_cpu 0)")  # fmt: skip
 
 
+def compute_dtype(requested: str, precision: str, device: str) -> tuple:
+    """(the compute dtype's name, the line saying it) as the Trainer would choose it
+    (`compute.choose_compute_dtype`: `auto` times a small product on a CPU)."""
+    from .compute import choose_compute_dtype, dtype_name
+    from .dtypes import DTYPES
+
+    dtype, line = choose_compute_dtype(requested, DTYPES[precision], device)
+    return dtype_name(dtype), line[0].upper() + line[1:] + "."
+
+
 def estimate_main(argv=None) -> int:
     from .config.load import parse_size
 
@@ -585,6 +615,8 @@ def estimate_main(argv=None) -> int:
     parser.add_argument("--max_memory", default=None, help="per-rank budget on the compute device, e.g. 24GiB")
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the probe runs and training computes")
     parser.add_argument("--no_probe", action="store_true", help="estimate activations on the meta device instead")
+    parser.add_argument("--compute_dtype", default="auto", choices=("auto", *PRECISIONS),
+                        help="as the Trainer's flag: auto times a product on --device (CPU) as training would")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         config = model_config(args.model)
@@ -602,15 +634,16 @@ def estimate_main(argv=None) -> int:
     if args.world_size < 1 or args.batch_size < 1:
         print("trainer-shard estimate: --world_size and --batch_size must be at least 1", file=sys.stderr)
         return 2
+    compute, said = compute_dtype(args.compute_dtype, args.precision, args.device)
     probes = None if args.no_probe else measure_probes(args.model, args.precision, args.source_length,
-                                                       args.target_length, args.device)  # fmt: skip
+                                                       args.target_length, args.device, compute)  # fmt: skip
     rows = estimate(config, world_size=args.world_size, precision=args.precision, batch_size=args.batch_size,
                     source_length=args.source_length, target_length=args.target_length, device=args.device,
-                    probes=probes, max_memory=budget)  # fmt: skip
+                    probes=probes, max_memory=budget, compute=compute)  # fmt: skip
     total, trainable = count_parameters(config)
     print(f"{args.model}: {total:,} parameters ({trainable:,} trainable), world size {args.world_size}, "
           f"{args.precision}, batch {args.batch_size} x {args.source_length}/{args.target_length} tokens per rank; "
-          f"activations {'measured' if probes else 'estimated on the meta device'}\n")  # fmt: skip
+          f"activations {'measured' if probes else 'estimated on the meta device'}\n{said}\n")  # fmt: skip
     print(format_table(rows, budget, zero3_units(config, args.world_size)))
     return 0
 

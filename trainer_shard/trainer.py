@@ -13,7 +13,7 @@ from .config import apply as config_apply
 from .disk import describe_write_error
 from .errors import CheckpointError
 from .sharding import zero3_weights
-from .training import build, checkpoints, loss, plan, saving, stage3
+from .training import build, checkpoints, loss, plan, precision, saving, stage3
 from .training.evaluation import gather_for_metrics
 from .training.guard import check_distributed_setup
 from .training.supervision import Supervisor, save_on_interrupt
@@ -35,6 +35,7 @@ class ShardedTrainerMixin:
         check_distributed_setup(self.args)
         faults.apply_timeout(self.args.ddp_timeout)
         self._plan_sharding()
+        precision.resolve(self)  # before the model is prepared: autocast wraps it then
         model = self.accelerator.unwrap_model(self.model)
         declared = loss.declared_normalization(model)
         if declared is not None:
@@ -47,6 +48,7 @@ class ShardedTrainerMixin:
             self._adopt_sharded_optimizer(self.optimizer)  # the user's own, via optimizers=(...)
         elif stage3.on_meta(model):
             self.sharded_model = stage3.shard_meta_model(self, model)
+            precision.install(self, model)
         if getattr(model, "hf_device_map", None):
             # placed by a device map (offload.dispatch): its hooks move the weights; accelerate
             # would move a map of one entry ({"": "disk"}) whole, which offloaded weights cannot

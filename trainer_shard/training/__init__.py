@@ -12,6 +12,7 @@ them.
 - `supervision`: the fault watch and interrupts around `train()`.
 - `stage3`: ZeRO-3's model sharding (units, persistence, a meta-built model read from its files).
 - `saving`: the model's files as the Trainer's `_save` writes them.
+- `precision`: the compute dtype apart from the storage dtype (`--compute_dtype`).
 
 What the mixin does, told from the user's side:
 
@@ -34,7 +35,9 @@ Trainer would have built (same class, hyperparameters and weight-decay groups):
   runs on the whole model. Saving streams `model.safetensors` a unit at a time; generate()
   runs with `synced_gpus` so ranks finishing first keep step with the others.
 - `--bf16` / `--fp16`: the model's parameters and gradients become 16-bit; each rank keeps fp32
-  master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`).
+  master weights for its shard. fp16 scales the loss dynamically (`ShardedGradScaler`). The
+  matrix products run in `--compute_dtype` (`auto`: fp32 on a CPU without 16-bit kernels, each
+  layer's parameters cast while it runs; see `precision`).
 - gradient clipping and the logged grad norm use the global norm over all shards;
   checkpoints hold each rank's optimizer shard and resume at any world size (see
   [Note: sharded checkpoints]).

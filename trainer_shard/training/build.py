@@ -15,6 +15,7 @@ import logging
 import torch
 
 from .. import dtypes
+from . import precision
 from ..config import apply as config_apply
 from ..constants import BUCKET_NUMEL
 from ..errors import ArgumentError
@@ -84,6 +85,7 @@ def adopt(trainer, optimizer) -> None:
         # nor at stage 3 (the model's hooks reduce-scatter), and no `.to(device)`: the model was
         # sharded where it is, and its sharded parameters' dtype and device cannot change
         force_prepare_model(trainer.accelerator, evaluation_mode=True, device_placement=False)
+    precision.install(trainer, trainer.accelerator.unwrap_model(trainer.model))
     logger.info("--sharded_ddp: %r", optimizer)
 
 

@@ -147,12 +147,13 @@ def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:
 
     source, target = planner.dataset_lengths(train_dataset) if train_dataset is not None else (128, 128)
     precision = dtypes.precision(args)
+    compute, _ = planner.compute_dtype(getattr(args, "compute_dtype", "auto"), precision, args.device.type)
     with tempfile.TemporaryDirectory() as folder:
         model.config.save_pretrained(folder)
-        probes = planner.measure_probes(folder, precision, source, target, args.device.type)
+        probes = planner.measure_probes(folder, precision, source, target, args.device.type, compute)
     rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
                             batch_size=args.per_device_train_batch_size, source_length=source, target_length=target,
-                            device=args.device.type, probes=probes, max_memory=budget)  # fmt: skip
+                            device=args.device.type, probes=probes, max_memory=budget, compute=compute)  # fmt: skip
     choice = planner.choose(rows, budget)
     return "chosen", (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
 

@@ -143,11 +143,22 @@ class Lifecycle:
         if type(packed) is not tuple:
             return packed
         tensor, unit = packed
+        self._gather_in_backward(unit)
+        return tensor
+
+    def _gather_in_backward(self, unit) -> None:
         if any(part.state is not UnitState.GATHERED for part in unit.parts):
             with record_function("trainer_shard::zero3_saved_view_gather"):
                 unit.gather()
             self._backward_external.add(unit)
-        return tensor
+
+    def gather_for_backward(self, param) -> None:
+        """Backward is about to read `param` from something saved elsewhere (a compute-dtype copy
+        that `compute.ComputeCast` makes again from it): gather its unit if its hooks released it,
+        as `_unpack` does for a saved view."""
+        part = getattr(param, "_trainer_shard_zero3", (None, None))[1]
+        if part is not None:  # a persistent (whole) parameter has none
+            self._gather_in_backward(part.unit)
 
     def _pop_saved_hooks(self) -> None:
         if self._saved_hooks:
