@@ -70,9 +70,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BASELINE = "zero3_baseline"  # --baseline REV: the zero3 row run from a git worktree of REV, interleaved with the rest
+
+
+def add_baseline(rev: str) -> Path:
+    """A worktree of `rev` (kept under /tmp between invocations) whose trainer_shard and worker
+    the zero3_baseline row runs, so an older tree is timed in the same invocation as this one."""
+    full = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+    tree = Path(tempfile.gettempdir()) / f"trainer_shard-bench-{full}"
+    if not (tree / "trainer_shard").is_dir():
+        run(["git", "-C", ROOT, "worktree", "add", "--force", "--detach", tree, full])
+    ROWS[BASELINE] = (f"trainer_shard ZeRO-3 at {full} (the baseline tree, same worker row)", {}, tree)
+    return tree
+
+
+def row_name(result: dict) -> str:
+    return result.get("name") or ROWS[result["row"]][0]
+
+
+def row_tree(row: str) -> Path:
+    return ROWS[row][2] if len(ROWS[row]) > 2 else ROOT
+
+
 def row_env(row: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc defaults unless the row sets them
-    env.update(BASE_ENV, PYTHONPATH=str(ROOT), **ROWS[row][1])
+    env.update(BASE_ENV, PYTHONPATH=str(row_tree(row)), **ROWS[row][1])
     return env
 
 
@@ -89,7 +112,8 @@ def run_row(python: Path, row: str, model: str, steps: int, timeout: int) -> dic
     tmp = Path(tempfile.mkdtemp(prefix=f"zero3-{row}-"))
     try:
         cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", free_port(), ROOT / "bench" / "_zero3_worker.py", row, model, steps, tmp / "out"]  # fmt: skip
+               "--master_port", free_port(), row_tree(row) / "bench" / "_zero3_worker.py",
+               "zero3" if row == BASELINE else row, model, steps, tmp / "out"]  # fmt: skip
         started = time.time()
         with (tmp / "log").open("w") as log:
             proc = subprocess.Popen([str(c) for c in cmd], env=row_env(row), stdout=log, stderr=subprocess.STDOUT,
@@ -109,6 +133,7 @@ def run_row(python: Path, row: str, model: str, steps: int, timeout: int) -> dic
         r0 = ranks[0]
         return {
             "row": row,
+            "name": ROWS[row][0],
             "wall_s": round(wall, 1),
             "parameters": r0["parameters"],
             "threads": r0["threads"],
@@ -157,7 +182,7 @@ def table(model: str, results: list, args) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        name = ROWS[r["row"]][0]
+        name = row_name(r)
         if "skipped" in r:
             lines.append(f"| {name} | skipped: {r['skipped']} |  |  |  |  |  |  |  |  |  |")
             continue
@@ -170,9 +195,15 @@ def table(model: str, results: list, args) -> str:
             f"| {2 * 8 / r['median_step_s']:.1f} | {mib(r['peak_rss_bytes'])} | {mib(r['peak_rss_loop_bytes'])} "
             f"| {mib(r['param_bytes'])} | {ratio(ddp, 'param_bytes')} | {r['first_loss']:.4f} | {r['final_loss']:.6f} |"
         )
-    notes = [f"{ROWS[r['row']][0]}: {k}: {v}" for r in ran for k, v in r["notes"].items()]
-    notes += [f"{ROWS[r['row']][0]}: medians of {len(r['rounds'])} interleaved rounds; each round's step time (s) and "
+    notes = [f"{row_name(r)}: {k}: {v}" for r in ran for k, v in r["notes"].items()]
+    notes += [f"{row_name(r)}: medians of {len(r['rounds'])} interleaved rounds; each round's step time (s) and "
               f"peak RSS (MiB): {', '.join(f'{t:.3f} / {m:,}' for t, m in r['rounds'])}" for r in ran if "rounds" in r]
+    base = next((r for r in ran if r["row"] == BASELINE), None)
+    ours = next((r for r in ran if r["row"] == "zero3"), None)
+    if base and z2 and ours:
+        notes.append(f"{row_name(base)}: {base['median_step_s'] / z2['median_step_s']:.2f}x ZeRO-2 of this tree; "
+                     f"this tree's ZeRO-3 {ours['median_step_s'] / base['median_step_s']:.2f}x it and peak RSS "
+                     f"{(ours['peak_rss_bytes'] - base['peak_rss_bytes']) / 2**20:+,.0f} MiB against it")  # fmt: skip
     zero3 = next((r for r in ran if r["row"] == "zero3"), None)
     if zero3:
         d = zero3["param_detail"]
@@ -250,16 +281,22 @@ def main() -> None:
     parser.add_argument("--python", type=Path, default=VENV / "bin" / "python",
                         help="the interpreter for the rows and the report (default bench/.venv, made if missing)")  # fmt: skip
     parser.add_argument("--merge", action="store_true",
-                        help="keep the other rows and models of zero3.json; replace only those run now")  # fmt: skip
-    parser.add_argument("--render", action="store_true", help="only rewrite the table and plot from zero3.json")
+                        help="keep the other rows and models of the results file (measured on this CPU); replace only those run now")  # fmt: skip
+    parser.add_argument("--render", action="store_true", help="only rewrite the table and plot from the results file's JSON")
+    parser.add_argument("--out", default="zero3", help="results basename under bench/results (default zero3)")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run the zero3 row from a git worktree of REV, interleaved (a before/after in one run)")  # fmt: skip
     args = parser.parse_args()
+    if args.baseline:
+        add_baseline(args.baseline)
+        args.rows = [*args.rows, BASELINE]
     python = args.python if args.python.is_absolute() else (Path.cwd() / args.python)
     ensure_env(python)
     if Path(sys.prefix).resolve() != python.parent.parent.resolve() and not os.environ.get("ZERO3_BENCH_REEXEC"):
         os.environ["ZERO3_BENCH_REEXEC"] = "1"
         os.execv(str(python), [str(python), __file__, *sys.argv[1:]])  # the rest runs in the bench environment
     if args.render:
-        saved = json.loads((RESULTS / "zero3.json").read_text())
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
         return report(saved["results"], saved["meta"], args)
     started = time.time()
     meta = {"command": "python bench/zero3.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(), "cpu": cpu_name(),
@@ -267,8 +304,11 @@ def main() -> None:
             "rows": args.rows, "models": args.model, "versions": versions(python)}  # fmt: skip
     print(meta, flush=True)
     all_results, merged_into = {}, None
-    if args.merge and (RESULTS / "zero3.json").exists():
-        saved = json.loads((RESULTS / "zero3.json").read_text())
+    if args.merge and (RESULTS / f"{args.out}.json").exists():
+        saved = json.loads((RESULTS / f"{args.out}.json").read_text())
+        if saved["meta"].get("cpu") != meta["cpu"]:  # rows of two machines in one table would be compared
+            sys.exit(f"--merge: {args.out}.json was measured on {saved['meta'].get('cpu', 'a CPU not recorded')}, this "
+                     f"machine is {meta['cpu']}; write a table of its own with --out NAME")  # fmt: skip
         all_results, merged_into = saved["results"], saved["meta"]
         merged_into.setdefault("merged", []).append(meta)
     for model in args.model:
@@ -283,13 +323,14 @@ def main() -> None:
             result = combine_rounds(runs[row])
             result["command"] = meta["command"]
             current[row] = result
-        all_results[model] = [current[r] for r in ROWS if r in current]
+        order = [r for r in ROWS if r in current] + [r for r in current if r not in ROWS]  # a baseline row last
+        all_results[model] = [current[r] for r in order]
         # written after each model, so a long second model still leaves the first one's table
         meta["wall_s"] = time.time() - started  # this invocation's
         shown = merged_into if merged_into is not None else meta
         shown["threads"] = sorted({r["threads"] for rs in all_results.values() for r in rs if "threads" in r}) or "n/a"
         RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "zero3.json").write_text(json.dumps({"meta": shown, "args": vars(args) | {"python": str(args.python)},
+        (RESULTS / f"{args.out}.json").write_text(json.dumps({"meta": shown, "args": vars(args) | {"python": str(args.python)},
                                                         "results": all_results}, indent=1))  # fmt: skip
         report(all_results, shown, args)
 
@@ -314,8 +355,8 @@ def report(all_results: dict, meta: dict, args) -> None:
     skipped = [f"{m} {r['row']}: {r['skipped']}" for m, rs in all_results.items() for r in rs if "skipped" in r]
     for line in skipped:
         print("skipped:", line)
-    write_markdown(RESULTS / "zero3.md", text)
-    print(plot(all_results, RESULTS / "zero3.png"))
+    write_markdown(RESULTS / f"{args.out}.md", text)
+    print(plot(all_results, RESULTS / f"{args.out}.png"))
     print(text)
 
 
