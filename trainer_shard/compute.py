@@ -28,9 +28,11 @@ SLOWER_THAN = 2.0
 """`auto` computes in fp32 where a 16-bit matmul takes more than this many times fp32's."""
 
 PROBE = (64, 256, 256)
-"""m, k, n of the product `auto` times. Measured on an AVX2-only AMD EPYC (2 cores, loaded): bf16
-6.5 ms a product against 0.2 ms in fp32; 128x512x512 took 50-110 ms in bf16, too long for a probe
-that every process runs at start."""
+"""m, k, n of the product `auto` times, on one thread. Measured on an AVX2-only AMD EPYC (2 cores,
+loaded): bf16 6.5 ms a product against 0.2 ms in fp32; on an AMX Xeon with oneDNN held to AVX2
+(`ONEDNN_MAX_CPU_ISA=AVX2`: no bf16 kernels) 3.96 ms against 0.05 ms, and with its kernels 0.03 ms
+against 0.05 ms; 128x512x512 took 32-110 ms in bf16 without kernels, too long for a probe that
+every process runs at start."""
 
 _HALF = (torch.bfloat16, torch.float16)
 _NAME = {dtype: name for name, dtype in DTYPES.items()}  # the short names, listed last, win: "bf16"
@@ -43,23 +45,30 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @functools.cache
 def time_matmul(dtype: torch.dtype, device_type: str = "cpu") -> float:
-    """Seconds one `PROBE` matmul takes in `dtype` on this process's CPU: the fastest of a few
-    after a warm-up (the fastest, because a loaded machine only ever adds time). Measured once a
-    process for each (dtype, device type); tests replace this function (monkeypatch) to force
-    either outcome."""
+    """Seconds one `PROBE` matmul takes in `dtype` on one core of this process's CPU: the fastest
+    of a few after a warm-up (the fastest, because a loaded machine only ever adds time). On one
+    thread: a product this small split over two threads of a busy machine waits for the
+    scheduler (measured 4-5 ms in either dtype, against 0.05 ms on one thread), and the kernels'
+    speed per core is what the choice needs. Measured once a process for each (dtype, device
+    type); tests replace this function (monkeypatch) to force either outcome."""
     m, k, n = PROBE
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=generator).to(device=device_type, dtype=dtype)
     b = torch.randn(k, n, generator=generator).to(device=device_type, dtype=dtype)
-    torch.mm(a, b)  # warm-up: first-call dispatch and allocation
-    best, spent = float("inf"), 0.0
-    for _ in range(5):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-        if spent > 0.03:  # a slow dtype shows at the first product: cap the probe at ~30 ms
-            break
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+        best, spent = float("inf"), 0.0
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            took = time.perf_counter() - start
+            best, spent = min(best, took), spent + took
+            if spent > 0.03:  # a slow dtype shows at the first product: cap the probe at ~30 ms
+                break
+    finally:
+        torch.set_num_threads(threads)
     return best
 
 
@@ -106,7 +115,8 @@ def choose_compute_dtype(requested: str, storage_dtype: torch.dtype, device, *, 
 # before, and the post-hook (always called, even when the forward raises) puts p back: the
 # parameters are the same objects before and after. 16-bit floating inputs are cast to the
 # compute dtype (integer inputs are not), and autocast is off inside these forwards, so the
-# compute dtype wins over an enclosing `torch.autocast`.
+# compute dtype wins over an enclosing `torch.autocast`. An `nn.Embedding` outside the units is a
+# lookup, not a product: its table is never cast (T5's is 32128 rows), the rows it returns are.
 #
 # Autograd would save the copies for backward (a Linear saves its weight), which would keep a
 # whole compute-dtype copy of the model alive from forward to backward. While a hooked forward
@@ -119,10 +129,13 @@ def choose_compute_dtype(requested: str, storage_dtype: torch.dtype, device, *, 
 # Copies live from a layer's pre-hook to its post-hook: one unit (plus its enclosing hooked
 # modules) at a time, never the model.
 #
-# The buffers come from a pool keyed by (numel, dtype, device), so fp32 buffers are not faulted
-# in from the OS anew each layer and step. At the post-hook a buffer goes back to the pool only
-# when nothing but the pool references its storage (a module that returns its weight, or autograd
-# saving it with saved-tensor hooks disabled, keeps it): otherwise it is left to its holders.
+# The forward's copies come from a pool keyed by (numel, dtype, device), which hands a buffer out
+# again only when nothing but the pool references its storage (a module that returns its weight,
+# or autograd saving it with saved-tensor hooks disabled, keeps it until they let go), so fp32
+# buffers are not faulted in from the OS anew each layer and step. Backward's recasts are plain
+# allocations, freed as each node is done (pooling them too moved a t5-large ZeRO-3 step's peak
+# RSS by nothing measurable: what glibc keeps there is autograd's fp32 gradients and activations;
+# see bench/results/infinity_compute_native.md).
 
 
 class _Cast(torch.autograd.Function):
@@ -149,27 +162,27 @@ class _Recast:
 
 
 class _Pool:
-    """Idle cast buffers (untyped storages) by (numel, dtype, device)."""
+    """Cast buffers (untyped storages) by (numel, dtype, device), each handed out again once
+    nothing but the pool holds it (the forward that cast it is over): the same buffers every
+    layer and step, none faulted from the OS anew."""
 
     def __init__(self):
-        self._free = {}
+        self._owned = {}
 
     def take(self, numel, dtype, device) -> torch.UntypedStorage:
-        free = self._free.get((numel, dtype, device))
-        if free:
-            return free.pop()
-        return torch.UntypedStorage(numel * dtype.itemsize, device=device)
-
-    def give(self, key, storage) -> None:
-        """Keep `storage` when the pool's is its only reference; otherwise its holders keep it."""
-        if torch._C._storage_Use_Count(storage._cdata) == 1:
-            self._free.setdefault(key, []).append(storage)
+        owned = self._owned.setdefault((numel, dtype, device), [])
+        for storage in owned:
+            if torch._C._storage_Use_Count(storage._cdata) == 1:  # only ours
+                return storage
+        storage = torch.UntypedStorage(numel * dtype.itemsize, device=device)
+        owned.append(storage)
+        return storage
 
     def nbytes(self) -> int:
-        return sum(s.nbytes() for free in self._free.values() for s in free)
+        return sum(s.nbytes() for owned in self._owned.values() for s in owned)
 
     def clear(self) -> None:
-        self._free.clear()
+        self._owned.clear()
 
 
 class _Frame:
@@ -224,12 +237,18 @@ class ComputeCast:
         self._units = set(units)
         inside = {m for unit in self._units for m in unit.modules() if m is not unit}
         for module in model.modules():
-            if module in self._units or module not in inside and any(map(self._casts, module.parameters(recurse=False))):
-                self._handles += [
-                    module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                    # first among the post-hooks: the parameters are back before ZeRO-3 releases its unit
-                    module.register_forward_hook(self._post_forward, always_call=True, prepend=True),
-                ]
+            if module in self._units:
+                pass  # cast whole while it runs
+            elif module in inside or not any(map(self._casts, module.parameters(recurse=False))):
+                continue
+            elif type(module) is torch.nn.Embedding:  # a lookup: its rows cast, never the table
+                self._handles.append(module.register_forward_hook(self._cast_output))
+                continue
+            self._handles += [
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                # first among the post-hooks: the parameters are back before ZeRO-3 releases its unit
+                module.register_forward_hook(self._post_forward, always_call=True, prepend=True),
+            ]
 
     def _casts(self, p) -> bool:
         return p is not None and p.is_floating_point() and p.dtype != self.dtype
@@ -337,6 +356,9 @@ class ComputeCast:
             self._held += storage.nbytes()
             return cast
 
+    def _cast_output(self, module, args, output):
+        return tree_map_only(torch.Tensor, self._cast_input, output)
+
     def _cast_input(self, t):
         if t.dtype in _HALF and t.dtype != self.dtype:
             return t.to(self.dtype)
@@ -356,10 +378,9 @@ class ComputeCast:
         if frame.autocast is not None:
             frame.autocast.__exit__(None, None, None)
         casts, frame.casts, frame.swapped = frame.casts, [], []
-        for ptr, key, storage, nbytes in casts:
+        for ptr, key, storage, nbytes in casts:  # the pool hands each out again once nothing else holds it
             del self._live[ptr]
             self._held -= nbytes
-            self._pool.give(key, storage)
         return None
 
     # -- saved tensors
