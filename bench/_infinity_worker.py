@@ -121,10 +121,12 @@ def main() -> None:
         else:
             for part in sharded.parts:
                 part.configure(offloaded=True)  # the gradients go to the parameter store
-    compute, cast = "fp32", None
+    compute, cast, notes = "fp32", None, {"kernels": f"bf16 kernels: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}"
+                                          + (f" (ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']})"
+                                             if os.environ.get("ONEDNN_MAX_CPU_ISA") else "")}  # fmt: skip
     if args.row != "plain_fp32":  # bf16 parameters: computed as the Trainer would (compute.ComputeCast)
         dtype, line = choose_compute_dtype(args.compute_dtype, torch.bfloat16, "cpu")
-        compute = dtype_name(dtype)
+        compute, notes["compute"] = dtype_name(dtype), line
         print(line, file=sys.stderr, flush=True)
         if dtype == torch.float32:
             units = [m for m in model.modules() if isinstance(m, T5Block)]
@@ -154,7 +156,7 @@ def main() -> None:
         print(f"step {step}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     result = {"row": args.row, "arch": args.arch, "parameters": sum(p.numel() for p in model.parameters()),
               "build_seconds": build_seconds, "step_seconds": times, "losses": losses, "io": io,
-              "peak_rss": peak_rss(), "compute": compute}  # fmt: skip
+              "peak_rss": peak_rss(), "compute": compute, "notes": notes}  # fmt: skip
     if cast is not None:
         result["compute_pool_bytes"] = cast.pool_bytes()
         cast.remove()

@@ -185,9 +185,14 @@ def main() -> None:
     parser.add_argument("--bandwidth-gib", type=float, default=4, help="size of the disk bandwidth test file")
     parser.add_argument("--compute", nargs="+", default=["auto"], choices=["auto", "bf16", "fp32"],
                         help="compute dtypes of the large set's bf16 rows (zero2_disk, zero3_disk), each a row")  # fmt: skip
+    parser.add_argument("--isa", default=None,
+                        help="ONEDNN_MAX_CPU_ISA for every row: AVX2 makes a CPU with bf16 kernels one without "
+                        "(as torch sees it), to measure that kind of CPU on this one")  # fmt: skip
     parser.add_argument("--python", type=Path, default=BENCH_PY,
                         help="the interpreter for the DeepSpeed rows (default bench/.venv, made if missing)")  # fmt: skip
     args = parser.parse_args()
+    if args.isa:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = args.isa  # the rows' environment (run_row passes os.environ on)
     python = args.python if args.python.is_absolute() else (Path.cwd() / args.python)
     args.folder.mkdir(parents=True, exist_ok=True)
     bandwidth = disk_bandwidth(args.folder, int(args.bandwidth_gib * GIB))
@@ -224,7 +229,9 @@ def main() -> None:
         results.append(result)
     if "11b" in args.rows:
         results.append(summarize(run_row("zero3_fwd_bwd", "t5-11b", 1, args.folder, args.timeout), bandwidth))
-    meta = {"bandwidth": bandwidth, "cpus": os.cpu_count(), "cpu": cpu_name(), "command": " ".join(sys.argv), **meta}
+    cpu = cpu_name() + (f"; rows run with ONEDNN_MAX_CPU_ISA={args.isa} (each row's notes say what torch saw)"
+                        if args.isa else "")  # fmt: skip
+    meta = {"bandwidth": bandwidth, "cpus": os.cpu_count(), "cpu": cpu, "command": " ".join(sys.argv), **meta}
     peer = (f"DeepSpeed rows: {meta['deepspeed']['versions']} ({meta['deepspeed']['python']}, DS_ACCELERATOR=cpu, "
             "world size 1 on gloo), bf16 with fp32 master weights, gradient clipping 1.0.\n\n") if "deepspeed" in meta else ""  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
