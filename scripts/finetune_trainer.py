@@ -15,7 +15,8 @@ launcher, see relaunch_under_torchrun.)
 A JSON file of arguments, flags after it overriding it (`make demo` runs this):
     python scripts/finetune_trainer.py configs/demo.json --num_train_epochs 1
 
-Every Seq2SeqTrainingArguments flag works, plus trainer_shard's --sharded_ddp and --offload.
+Every Seq2SeqTrainingArguments flag works, plus trainer_shard's --sharded_ddp and --offload, and
+LoRA through PEFT with TRL's flag names (--use_peft, --lora_r, --lora_target_modules...).
 Writes train_results.json, val_results.json, test_results.json, all_results.json and
 test_generations.txt to --output_dir.
 """
@@ -38,6 +39,7 @@ from trainer_shard.offload.dispatch import load_dispatched
 from trainer_shard.training import plan
 from trainer_shard.training.guard import accelerate_cpu_launch, launcher_argv
 from trainer_shard.finetune import (
+    apply_peft,
     count_parameters,
     freeze_params,
     load_pairs,
@@ -71,6 +73,8 @@ def main(argv=None, **trainer_kwargs):
     )
     model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload,
                        stage=plan.plan(training_args, training_args.offload_config)[0])  # fmt: skip
+    if model_args.use_peft:
+        model = apply_peft(model, model_args)
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")

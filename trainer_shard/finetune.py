@@ -36,6 +36,19 @@ class ModelArguments:
     cache_dir: str | None = field(default=None, metadata={"help": "Where to keep models downloaded from the hub."})
     freeze_encoder: bool = field(default=False, metadata={"help": "Train no encoder parameter."})
     freeze_embeds: bool = field(default=False, metadata={"help": "Train no token or position embedding."})
+    # LoRA through PEFT, named as TRL's ModelConfig names them
+    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) on a frozen base model."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the adapters' scale is alpha / r."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapters' input."})
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "Names of the modules given adapters (e.g. q v), or all-linear; default: PEFT's for the "
+                  "model type (q and v for T5)."},
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained whole and saved with the adapters (e.g. lm_head)."}
+    )
 
 
 @dataclass
@@ -89,6 +102,7 @@ def parse_args(argv=None):
     if argv and argv[0].endswith(".json"):
         apply_json_defaults(parser, argv.pop(0))
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    check_peft_args(model_args, training_args)
     check_data_args(data_args, training_args)
     apply_script_flags(data_args, training_args)
     return model_args, data_args, training_args
@@ -235,6 +249,53 @@ def source_prefix(data_args, config) -> str:
         return data_args.source_prefix
     task_params = (getattr(config, "task_specific_params", None) or {}).get(data_args.task, {})
     return task_params.get("prefix") or getattr(config, "prefix", None) or ""
+
+
+_LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None,
+                  "lora_modules_to_save": None}  # fmt: skip
+
+
+def check_peft_args(model_args, training_args) -> None:
+    """--lora_* flags without --use_peft would do nothing: refused, as are values LoRA cannot take
+    and the combinations not built yet, before anything is written."""
+    given = [f"--{k}" for k, v in _LORA_DEFAULTS.items() if getattr(model_args, k) != v]
+    if not model_args.use_peft:
+        if given:
+            raise ArgumentError(f"{', '.join(given)} configure LoRA, which only --use_peft turns on; add --use_peft "
+                                "or drop them")  # fmt: skip
+        return
+    if model_args.lora_r < 1 or model_args.lora_alpha <= 0 or not 0 <= model_args.lora_dropout < 1:
+        raise ArgumentError(f"--lora_r {model_args.lora_r}, --lora_alpha {model_args.lora_alpha}, --lora_dropout "
+                            f"{model_args.lora_dropout}: the rank must be at least 1, alpha above 0 and the dropout "
+                            "in [0, 1)")  # fmt: skip
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ArgumentError("--use_peft needs the peft package: pip install peft (make install does)") from None
+    from .training import plan
+
+    if plan.param_offload_spec(training_args.offload_config) is not None:
+        raise ArgumentError("--use_peft with offload_param (the base model read from disk) is not built yet; "
+                            "LoRA trains under DDP, --sharded_ddp simple, zero_dp_2 and zero_dp_3 with the "
+                            "parameters in RAM: drop offload_param from the --offload config")  # fmt: skip
+
+
+def apply_peft(model, model_args):
+    """`model` with LoRA adapters (`peft.get_peft_model`, task SEQ_2_SEQ_LM): the base frozen, the
+    adapters trainable; the configuration TRL's `get_peft_config` would make of the same flags."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = model_args.lora_target_modules
+    if targets == ["all-linear"]:
+        targets = "all-linear"  # as PEFT takes it (a list is matched by module name)
+    config = LoraConfig(task_type="SEQ_2_SEQ_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                        lora_dropout=model_args.lora_dropout, target_modules=targets, bias="none",
+                        modules_to_save=model_args.lora_modules_to_save)  # fmt: skip
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # a target module that the model does not have
+        raise ArgumentError(f"--use_peft: {e}; name modules of this model in --lora_target_modules "
+                            "(or all-linear)") from None
 
 
 def freeze_params(model, *, encoder: bool, embeds: bool) -> None:

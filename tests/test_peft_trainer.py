@@ -1,0 +1,68 @@
+"""LoRA (PEFT) through finetune_trainer.py's TRL-named flags (issue 34), 2 ranks on gloo: under
+`simple`, `zero_dp_2` and `zero_dp_3 auto_wrap` (every parameter sharded) the same losses, grad
+norms, saved adapters and beam predictions as LoRA under plain DDP; the refusals without a launch."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY_FLAGS, assert_ok, run_script
+from test_zero3_trainer import small_units
+from trainer_shard.errors import ArgumentError
+from trainer_shard.finetune import parse_args
+
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.0", "--lora_target_modules", "q", "v"]
+
+
+def lora_flags(model, data, out, *extra):
+    return ["--model_name_or_path", model, "--data_dir", data, "--output_dir", out, *TINY_FLAGS, *LORA,
+            "--do_train", "--max_steps", "5", "--per_device_train_batch_size", "4", "--max_grad_norm", "0.5",
+            "--learning_rate", "1e-2", "--do_predict", "--predict_with_generate", "--n_test", "6",
+            "--eval_beams", "2", "--per_device_eval_batch_size", "3", *extra]  # fmt: skip
+
+
+def steps(out):
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [(e["loss"], e["grad_norm"]) for e in history if "loss" in e]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_under_every_sharding_trains_as_under_ddp(tiny_model, tiny_data, tmp_path):
+    runs = {"ddp": [], "simple": ["--sharded_ddp", "simple"], "zero_dp_2": ["--sharded_ddp", "zero_dp_2"],
+            "zero_dp_3": ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path)]}  # fmt: skip
+    for name, extra in runs.items():
+        proc = run_script(lora_flags(tiny_model, tiny_data, tmp_path / name, *extra), nproc=2)
+        assert_ok(proc)
+        if name == "zero_dp_3":
+            assert "of 0 parameter elements sharded" not in proc.stdout + proc.stderr
+    reference = tmp_path / "ddp"
+    ref_adapter = load_file(reference / "adapter_model.safetensors")
+    assert ref_adapter and all("lora_" in k for k in ref_adapter), sorted(ref_adapter)
+    assert not (reference / "model.safetensors").exists()  # the adapter alone, as PEFT saves it
+    assert json.loads((reference / "adapter_config.json").read_text())["r"] == 4
+    ref_generations = (reference / "test_generations.txt").read_text()
+    for name in ("simple", "zero_dp_2", "zero_dp_3"):
+        out = tmp_path / name
+        for (loss, norm), (ref_loss, ref_norm) in zip(steps(out), steps(reference), strict=True):
+            assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4), name
+        adapter = load_file(out / "adapter_model.safetensors")
+        assert adapter.keys() == ref_adapter.keys(), name
+        worst = max((adapter[k] - ref_adapter[k]).abs().max().item() for k in adapter)
+        assert worst <= 1e-6, f"{name}: adapters {worst:.3g} from DDP's"
+        assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in adapter.items() if "lora_B" in k)  # trained
+        assert (out / "test_generations.txt").read_text() == ref_generations, name
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--lora_r", "8"], "--lora_r configure LoRA, which only --use_peft turns on"),
+    (["--use_peft", "--lora_r", "0"], "the rank must be at least 1"),
+])  # fmt: skip
+def test_lora_flags_that_would_do_nothing_or_cannot_work_are_refused(tmp_path, flags, fragment):
+    argv = ["--model_name_or_path", "x", "--data_dir", str(tmp_path), "--output_dir", str(tmp_path / "out"),
+            "--report_to", "none", *flags]  # fmt: skip
+    with pytest.raises(ArgumentError, match=fragment):
+        parse_args(argv)
+    assert not (tmp_path / "out").exists()
