@@ -3,6 +3,8 @@
 norms, saved adapters and beam predictions as LoRA under plain DDP; the refusals without a launch."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,3 +68,33 @@ def test_lora_flags_that_would_do_nothing_or_cannot_work_are_refused(tmp_path, f
     with pytest.raises(ArgumentError, match=fragment):
         parse_args(argv)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_lora_under_zero3_resumes_exactly_and_loads_its_best_checkpoint(tiny_model, tiny_data, tmp_path):
+    """Checkpoints hold the adapter and its optimizer shards: resumed from checkpoint-2, the run ends
+    with the uninterrupted run's adapter; load_best_model_at_end reads the best adapter back into
+    the sharded model (it raised: ZeRO-3's loader looked for a whole model's weights)."""
+    def flags(out, *extra):
+        return ["--model_name_or_path", tiny_model, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS,
+                *LORA, "--do_train", "--max_steps", "4", "--per_device_train_batch_size", "4",
+                "--learning_rate", "1e-2", "--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path),
+                "--save_strategy", "steps", "--save_steps", "2", *extra]  # fmt: skip
+
+    straight, resumed, best = tmp_path / "straight", tmp_path / "resumed", tmp_path / "best"
+    assert_ok(run_script(flags(straight), nproc=2))
+    saved = {p.name for p in (straight / "checkpoint-2").iterdir()}
+    assert {"adapter_model.safetensors", "optimizer_shards"} <= saved and "model.safetensors" not in saved
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    assert_ok(run_script([*flags(resumed), "--resume_from_checkpoint", resumed / "checkpoint-2"], nproc=2))
+    want, got = load_file(straight / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert want.keys() == got.keys()
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
+    assert_ok(run_script(flags(best, "--do_eval", "--eval_strategy", "steps", "--eval_steps", "2", "--n_val", "8",
+                               "--load_best_model_at_end", "--metric_for_best_model", "loss"), nproc=2))  # fmt: skip
+    state = json.loads((best / "trainer_state.json").read_text())
+    chosen = load_file(Path(state["best_model_checkpoint"]) / "adapter_model.safetensors")
+    final = load_file(best / "adapter_model.safetensors")  # saved after the best was loaded back
+    assert all(torch.equal(chosen[k], final[k]) for k in chosen)

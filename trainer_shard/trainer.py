@@ -193,10 +193,10 @@ class ShardedTrainerMixin:
 
     def _load_best_model(self) -> None:
         """ZeRO-3: the best checkpoint's weights read unit by unit into the shards (collective);
-        otherwise the Trainer's own."""
+        otherwise (a PEFT model's adapter too) the Trainer's own."""
         sharded = self.sharded_model
-        if sharded is None:
-            return super()._load_best_model()
+        if sharded is None or not isinstance(self.accelerator.unwrap_model(self.model), PreTrainedModel):
+            return super()._load_best_model()  # a PEFT model's adapter: load_state_dict on the sharded model
         logger.info("Loading best model from %s (score: %s).", self.state.best_model_checkpoint, self.state.best_metric)
         zero3_weights.load_weights(sharded, self.state.best_model_checkpoint)
 
