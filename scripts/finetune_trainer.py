@@ -74,7 +74,7 @@ def main(argv=None, **trainer_kwargs):
     model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload,
                        stage=plan.plan(training_args, training_args.offload_config)[0])  # fmt: skip
     if model_args.use_peft:
-        model = apply_peft(model, model_args)
+        model = apply_peft(model, model_args, training_args.seed)
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")

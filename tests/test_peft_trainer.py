@@ -1,6 +1,7 @@
 """LoRA (PEFT) through finetune_trainer.py's TRL-named flags (issue 34), 2 ranks on gloo: under
-`simple`, `zero_dp_2` and `zero_dp_3 auto_wrap` (every parameter sharded) the same losses, grad
-norms, saved adapters and beam predictions as LoRA under plain DDP; the refusals without a launch."""
+`simple`, `zero_dp_2`, `zero_dp_3 auto_wrap` (every parameter sharded) and with the base built on
+the meta device and read into the parameter store on disk, the same losses, grad norms, saved
+adapters and beam predictions as LoRA under plain DDP; the refusals without a launch."""
 
 import json
 import shutil
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import TINY_FLAGS, assert_ok, run_script
+from test_zero3_offload_param_trainer import files_under, offload_config
 from test_zero3_trainer import small_units
 from trainer_shard.errors import ArgumentError
 from trainer_shard.finetune import parse_args
@@ -34,19 +36,26 @@ def steps(out):
 @pytest.mark.multiproc
 def test_lora_under_every_sharding_trains_as_under_ddp(tiny_model, tiny_data, tmp_path):
     runs = {"ddp": [], "simple": ["--sharded_ddp", "simple"], "zero_dp_2": ["--sharded_ddp", "zero_dp_2"],
-            "zero_dp_3": ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path)]}  # fmt: skip
+            "zero_dp_3": ["--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path)],
+            # the base built on the meta device, read into the parameter store: never whole in RAM
+            "base_on_disk": ["--sharded_ddp", "zero_dp_3 offload", "--offload", offload_config(tmp_path),
+                             "--log_level", "info"]}  # fmt: skip
     for name, extra in runs.items():
         proc = run_script(lora_flags(tiny_model, tiny_data, tmp_path / name, *extra), nproc=2)
         assert_ok(proc)
-        if name == "zero_dp_3":
-            assert "of 0 parameter elements sharded" not in proc.stdout + proc.stderr
+        said = proc.stdout + proc.stderr
+        if name.startswith(("zero_dp_3", "base_on_disk")):
+            assert "of 0 parameter elements sharded" not in said
+        if name == "base_on_disk":
+            assert "built on the meta device; its weights were read from" in said
+            assert files_under(tmp_path / "store") == []
     reference = tmp_path / "ddp"
     ref_adapter = load_file(reference / "adapter_model.safetensors")
     assert ref_adapter and all("lora_" in k for k in ref_adapter), sorted(ref_adapter)
     assert not (reference / "model.safetensors").exists()  # the adapter alone, as PEFT saves it
     assert json.loads((reference / "adapter_config.json").read_text())["r"] == 4
     ref_generations = (reference / "test_generations.txt").read_text()
-    for name in ("simple", "zero_dp_2", "zero_dp_3"):
+    for name in ("simple", "zero_dp_2", "zero_dp_3", "base_on_disk"):
         out = tmp_path / name
         for (loss, norm), (ref_loss, ref_norm) in zip(steps(out), steps(reference), strict=True):
             assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4), name

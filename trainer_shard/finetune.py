@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -272,18 +273,17 @@ def check_peft_args(model_args, training_args) -> None:
         import peft  # noqa: F401
     except ImportError:
         raise ArgumentError("--use_peft needs the peft package: pip install peft (make install does)") from None
-    from .training import plan
-
-    if plan.param_offload_spec(training_args.offload_config) is not None:
-        raise ArgumentError("--use_peft with offload_param (the base model read from disk) is not built yet; "
-                            "LoRA trains under DDP, --sharded_ddp simple, zero_dp_2 and zero_dp_3 with the "
-                            "parameters in RAM: drop offload_param from the --offload config")  # fmt: skip
 
 
-def apply_peft(model, model_args):
+def apply_peft(model, model_args, seed: int):
     """`model` with LoRA adapters (`peft.get_peft_model`, task SEQ_2_SEQ_LM): the base frozen, the
-    adapters trainable; the configuration TRL's `get_peft_config` would make of the same flags."""
+    adapters trainable; the configuration TRL's `get_peft_config` would make of the same flags.
+    A base on the meta device (parameter offload: its weights are read into the store when the
+    Trainer shards it) gets its adapters made in CPU RAM. The adapters are initialised from
+    `seed` in module order (A as PEFT does, B zero), so they are the same whichever way the base
+    was built."""
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
 
     targets = model_args.lora_target_modules
     if targets == ["all-linear"]:
@@ -292,10 +292,21 @@ def apply_peft(model, model_args):
                         lora_dropout=model_args.lora_dropout, target_modules=targets, bias="none",
                         modules_to_save=model_args.lora_modules_to_save)  # fmt: skip
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as e:  # a target module that the model does not have
         raise ArgumentError(f"--use_peft: {e}; name modules of this model in --lora_target_modules "
                             "(or all-linear)") from None
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for layer in layers:
+            for adapters in (layer.lora_A, layer.lora_B):
+                for adapter in adapters.values():
+                    if any(p.device.type == "meta" for p in adapter.parameters()):
+                        adapter.to_empty(device="cpu")
+            for name in layer.lora_A:
+                layer.reset_lora_parameters(name, True)
+    return model
 
 
 def freeze_params(model, *, encoder: bool, embeds: bool) -> None:

@@ -216,7 +216,7 @@ class ShardedTrainerMixin:
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
         if state_dict is not None or not isinstance(model, PreTrainedModel):
             if state_dict is None and self.sharded_model is not None:  # gathered unit by unit, on every rank
-                state_dict = model.state_dict()  # (the Trainer calls _save on every rank: a collective is safe)
+                state_dict = saving.sharded_state_dict(self.sharded_model, model)  # (_save runs on every rank)
             return super()._save(output_dir, state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         try:

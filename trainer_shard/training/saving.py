@@ -13,6 +13,7 @@ import torch
 from ..checkpoint import save_model
 from ..config.load import parse_size
 from ..sharding import zero3_weights
+from ..sharding.zero3 import sharded_part
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +41,28 @@ def save(trainer, output_dir) -> list | None:
         trainer.processing_class.save_pretrained(output_dir)
     torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
     return files
+
+
+def sharded_state_dict(sharded, model) -> dict:
+    """The state dict `_save` hands a model that is not a `PreTrainedModel` (transformers then
+    calls its own `save_pretrained`), from a ZeRO-3 model, on every rank (collective). A PEFT
+    model saves its adapter alone: only its trainable parameters (the adapters, the
+    `modules_to_save` copies) are copied out, each unit holding some gathered on its own, so a
+    frozen base bigger than RAM is never whole. Any other model: `model.state_dict()`, gathered
+    a unit at a time."""
+    if not hasattr(model, "peft_config"):
+        return model.state_dict()
+    by_unit = {}  # unit index -> (unit, [(name, parameter)]); None: kept whole on every rank
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            part = (sharded_part(p) or (None, None))[1]
+            key = None if part is None else part.unit.index
+            by_unit.setdefault(key, (None if part is None else part.unit, []))[1].append((name, p))
+    state = {}
+    with torch.no_grad():
+        for key in sorted(k for k in by_unit if k is not None):  # the same order on every rank: collectives
+            unit, params = by_unit[key]
+            with sharded.gathered([unit]):
+                state.update((name, p.detach().clone()) for name, p in params)
+        state.update((name, p.detach().clone()) for name, p in by_unit.get(None, (None, []))[1])
+    return state

@@ -7,6 +7,7 @@ or at the Trainer's start when it was built on the meta device.
 """
 
 import logging
+import re
 
 from .. import dtypes
 from ..args import ShardedDDPOption
@@ -75,6 +76,8 @@ def shard_meta_model(trainer, model) -> "ShardedModel":
                             "offload_param names a device); load the model with from_pretrained otherwise")  # fmt: skip
     cast_for_mixed_precision(model, trainer.args)  # on meta, free: the shards made in the run's dtype
     weights = zero3_weights.checkpoint_weights(folder)
+    if model is not getattr(model, "base_model", model) and hasattr(model, "peft_config"):  # a PeftModel
+        weights = PeftNames(weights)
     try:
         sharded = shard_for_stage3(model, trainer.args, trainer.offload_config,
                                    trainer.get_decay_parameter_names(model), weights=weights,
@@ -86,6 +89,29 @@ def shard_meta_model(trainer, model) -> "ShardedModel":
         logger.info("zero_dp_3: the model was built on the meta device; its weights were read from %s a tensor "
                     "at a time into the parameter store", folder)  # fmt: skip
     return sharded
+
+
+class PeftNames:
+    """A base model's checkpoint weights read by the names its parameters have under PEFT: the
+    `base_model.model.` prefix, the `base_layer` a LoRA layer wraps the original in and the
+    `modules_to_save` / `original_module` copies all read the original tensor."""
+
+    _PEFT = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    def base_name(self, name: str) -> str:
+        return self._PEFT.sub("", name.removeprefix("base_model.model."))
+
+    def __contains__(self, name) -> bool:
+        return self.base_name(name) in self.weights
+
+    def __getitem__(self, name):
+        return self.weights[self.base_name(name)]
+
+    def close(self) -> None:
+        self.weights.close()
 
 
 def on_meta(model) -> bool:
