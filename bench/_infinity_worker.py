@@ -61,6 +61,52 @@ def stats(stores) -> dict:
     return out
 
 
+def blocks_compute_seconds(config, rows: int, tokens: int, frozen: bool) -> dict:
+    """The forward and backward compute of the model's units without any I/O: one encoder and one
+    decoder T5Block in RAM (bf16, random weights; frozen: no weight gradients, as LoRA's base),
+    each timed (median of 3 after a warm-up) and counted num_layers times, plus the tied
+    embedding's output product."""
+    import copy
+    import time
+    from statistics import median
+
+    import torch
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    def timed(fn):
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return median(times)
+
+    torch.manual_seed(0)
+    decoder_config = copy.deepcopy(config)
+    decoder_config.is_decoder = True
+    encoder, decoder = T5Block(config, has_relative_attention_bias=True), T5Block(decoder_config, True)
+    for block in (encoder, decoder):
+        block.to(torch.bfloat16).requires_grad_(not frozen)
+    hidden = torch.randn(rows, tokens, config.d_model, dtype=torch.bfloat16)
+    head = torch.randn(config.vocab_size, config.d_model, dtype=torch.bfloat16)
+
+    def run(block, **kwargs):
+        x = hidden.clone().requires_grad_(True)
+        block(x, **kwargs)[0].float().sum().backward()
+
+    enc = timed(lambda: run(encoder))
+    dec = timed(lambda: run(decoder, encoder_hidden_states=hidden))
+
+    def logits():
+        x = hidden.clone().requires_grad_(True)
+        (x @ head.t()).float().sum().backward()
+
+    out = timed(logits)
+    return {"encoder_block": enc, "decoder_block": dec, "logits": out,
+            "total": config.num_layers * enc + config.num_decoder_layers * dec + out}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("row")
@@ -68,6 +114,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", required=True)
     parser.add_argument("--checkpoint")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on q and v (PEFT); 0: full fine-tuning")
+    parser.add_argument("--compute-bound", action="store_true",
+                        help="also time one encoder and one decoder block's forward and backward in RAM")
     parser.add_argument("--compute_dtype", default="auto", choices=["auto", "bf16", "fp32"],
                         help="the bf16 rows' matrix products, as the Trainer's flag "
                         "(auto: fp32 on a CPU without bf16 kernels)")  # fmt: skip
@@ -81,6 +130,7 @@ def main() -> None:
     from trainer_shard.offload.param_store import ParamOffloadSpec
     from trainer_shard.sharding import ShardedOptimizer, shard_model
     from trainer_shard.sharding.zero3_weights import checkpoint_weights
+    from trainer_shard.training.stage3 import PeftNames
 
     work = Path(args.work)
     dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous", rank=0, world_size=1)
@@ -91,31 +141,55 @@ def main() -> None:
     hyper = dict(lr=1e-4, weight_decay=0.01)
     began = time.perf_counter()
     stores, sharded, opt = [], None, None
+    lora = args.lora > 0
+
+    def peft(model):  # LoRA r on q and v, as finetune_trainer.py --use_peft --lora_target_modules q v makes it
+        if not lora:
+            return model
+        from types import SimpleNamespace
+
+        from trainer_shard.finetune import apply_peft
+
+        flags = SimpleNamespace(lora_r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                lora_target_modules=["q", "v"], lora_modules_to_save=None)  # fmt: skip
+        return apply_peft(model, flags, seed=0)
+
+    def trainable(model):
+        return [p for p in model.parameters() if p.requires_grad]
+
     if args.row == "plain_fp32":
         torch.manual_seed(0)
-        model = T5ForConditionalGeneration(config)
-        opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
-    elif args.row == "zero2_disk":
+        model = peft(T5ForConditionalGeneration(config))
+        opt = torch.optim.AdamW(trainable(model), fused=True, **hyper)
+    elif args.row in ("zero2_disk", "zero2", "zero3"):
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)
         model = T5ForConditionalGeneration(config)
         torch.set_default_dtype(torch.float32)
-        opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=2,
-                               offload=OffloadSpec("nvme", nvme_path=str(work / "optim")), **hyper)  # fmt: skip
-        stores = [opt.stepper.store]
+        model = peft(model)
+        model.to(torch.bfloat16)
+        offload = OffloadSpec("nvme", nvme_path=str(work / "optim")) if args.row == "zero2_disk" else None
+        if args.row == "zero3":
+            sharded = shard_model(model, units=[T5Block])
+        opt = ShardedOptimizer(trainable(model), optim=torch.optim.AdamW, stage=2 if sharded is None else 3, offload=offload,
+                               **hyper)  # fmt: skip
+        stores = [opt.stepper.store] if offload is not None else []
     else:
         with torch.device("meta"):
             model = T5ForConditionalGeneration(config).to(torch.bfloat16)
+        model = peft(model)
+        model.to(torch.bfloat16)
         weights = checkpoint_weights(args.checkpoint) if args.checkpoint else RandomT5Weights(config, torch.bfloat16)
         # t5-11b's decoder block is 268 M elements (0.5 GB in bf16): three units' buffers at most
         spec = ParamOffloadSpec("nvme", nvme_path=str(work / "params"), max_in_cpu=0,
                                 buffer_count=3 if args.arch == "t5-11b" else 5, buffer_size=10**10)  # fmt: skip
-        sharded = shard_model(model, units=[T5Block], weights=weights, param_offload=spec)
+        sharded = shard_model(model, units=[T5Block], weights=PeftNames(weights) if lora else weights,
+                              param_offload=spec)  # fmt: skip
         if args.checkpoint:
             weights.close()
         stores = [sharded.store.disk]
         if args.row == "zero3_disk":
-            opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=3,
+            opt = ShardedOptimizer(trainable(model), optim=torch.optim.AdamW, stage=3,
                                    offload=OffloadSpec("nvme", nvme_path=str(work / "optim")), **hyper)  # fmt: skip
             stores.append(opt.stepper.store)
         else:
@@ -162,6 +236,13 @@ def main() -> None:
         cast.remove()
     if sharded is not None:
         result["on_disk"] = sharded.held_parameter_bytes()["on_disk"]
+    if args.compute_bound:
+        result["compute_bound"] = blocks_compute_seconds(config, rows, tokens, frozen=lora)
+    result["lora"] = args.lora
+    from trainer_shard.sharding.zero3 import full_numel
+
+    result["full_parameters"] = sum(full_numel(p) for p in model.parameters())
+    result["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if isinstance(opt, ShardedOptimizer):
         opt.close()
     if sharded is not None:

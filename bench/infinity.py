@@ -79,7 +79,7 @@ def disk_bandwidth(folder: Path, size: int = 4 * GIB, block: int = 16 * 2**20, o
 
 def run_row(row: str, arch: str, steps: int, folder: Path, timeout: int, checkpoint: Path | None = None,
             python: Path = PY, worker: Path = WORKER, env: dict | None = None,
-            compute: str | None = None) -> dict:  # fmt: skip
+            compute: str | None = None, extra: list | None = None) -> dict:  # fmt: skip
     work = folder / f"{row}-{arch}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -88,6 +88,7 @@ def run_row(row: str, arch: str, steps: int, folder: Path, timeout: int, checkpo
         cmd += ["--checkpoint", str(checkpoint)]
     if compute is not None:
         cmd += ["--compute_dtype", compute]
+    cmd += extra or []
     print("+", " ".join(cmd), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     try:
