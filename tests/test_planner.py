@@ -96,6 +96,34 @@ def test_zero3_bytes_per_part():
         planner.strategy_bytes("zero_dp_3", None, 408, 408, 3, "bf16", units)
 
 
+def test_peft_zero3_bytes_count_no_gradient_or_state_for_frozen_elements():
+    """LoRA under ZeRO-3: the frozen elements are sharded, gathered and (disk_params) stored like
+    the rest, but have no gradient shard, master, moments or reduce bucket. A trainable fraction of
+    0 leaves only the parameters; a partly trainable layout counts its trainable part only."""
+    units = planner.Units((100, 100, 140), 60, 8, 2)  # as in test_zero3_bytes_per_part: all trainable
+    frozen = planner.Units((100, 100, 140), 60, 8, 2, (), (0, 0, 0), 0, 0)
+    full, none = planner.zero3_parts(None, units, 2, 2), planner.zero3_parts(None, frozen, 2, 2)
+    assert none == {"shards": full["shards"], "grad_shards": 0, "persistent": 8 * 2, "pool": full["pool"],
+                    "buckets": 0, "optimizer": 0}  # fmt: skip
+    for offload in (None, "cpu", "disk"):
+        held = planner.strategy_bytes("zero_dp_3", offload, 408, 0, 2, "bf16", frozen)
+        assert held == {"device": 400 + 16 + full["pool"], "cpu": planner.DISK_BUFFERS if offload == "disk" else 0,
+                        "disk": 0}, offload  # fmt: skip
+    on_disk = planner.zero3_param_offload_parts(frozen, 2, 2)
+    assert on_disk["grad_shards"] == on_disk["optimizer"] == on_disk["reduced"] == on_disk["grad_writes"] == 0
+    assert on_disk["param_shards"] == 400 and on_disk["pool"] == planner.zero3_param_offload_parts(units, 2, 2)["pool"]
+    traffic = planner.disk_traffic("zero_dp_3", "disk_params", 0, 2, "bf16", frozen)
+    assert traffic == {"read": 2 * 400, "written": 400}  # the parameters gathered twice; only the step's write
+    assert planner.disk_traffic("zero_dp_3", "disk", 0, 2, "bf16", frozen) == {"read": 0, "written": 0}
+    # adapters: 40 of the third unit's 140 elements (padded), 4 of the 8 persistent ones
+    lora = planner.Units((100, 100, 140), 60, 8, 2, (), (0, 0, 40), 0, 4)
+    parts = planner.zero3_parts(None, lora, 2, 2)
+    assert parts == {"shards": 400, "grad_shards": 4 * 20, "persistent": 2 * 8 + 2 * 4 * 3, "pool": full["pool"],
+                     "buckets": 3 * 2 * 40, "optimizer": 20 * (4 + 8)}  # fmt: skip
+    disk = planner.zero3_param_offload_parts(lora, 2, 2)
+    assert disk["grad_shards"] == 2 * 20 and disk["optimizer"] == 4 * 3 * (20 + 2) and disk["reduced"] == 2 * 2 * 20
+
+
 def _held_bytes(rank, world, nvme, out):
     """A bf16 model stepped once by ShardedOptimizer (ZeRO-2) without offload and with CPU and disk
     offload, on 2 gloo ranks: the bytes each rank really holds for the optimizer, measured on the
@@ -338,6 +366,101 @@ def test_estimate_command_prints_every_strategy(tiny_model):
         gpu = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-small", "--device",
                               "cuda"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
         assert gpu.returncode == 2 and "no CUDA device" in gpu.stderr
+
+
+def _peft_trainable(config, **lora) -> tuple:
+    """(all, trainable) elements of `peft.get_peft_model` on `config`'s T5, built by transformers on
+    the meta device: the count the planner's must equal, made without the planner."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_2_SEQ_LM", **lora))
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _estimate_rows(capsys, *flags) -> tuple:
+    """(the header line, GiB per rank by (strategy, offload)) of `trainer-shard estimate` on t5-small."""
+    assert planner.estimate_main(["--model", "t5-small", "--world_size", "2", "--precision", "bf16", "--no_probe",
+                                  "--compute_dtype", "bf16", "--batch_size", "2", *flags]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    rows = {tuple(r[:2]): float(r[2]) for r in re.findall(r"^\| (\w+) \| (\w+) \| ([\d.]+) \|", out, re.M)}
+    assert len(rows) == len(planner.STRATEGIES), out
+    return out.splitlines()[0], rows
+
+
+def test_estimate_command_with_peft_counts_gradients_and_state_of_the_adapters_only(capsys):
+    config = planner.model_config("t5-small")
+    header, full = _estimate_rows(capsys)
+    assert header.startswith("t5-small: 60,506,624 parameters (60,506,624 trainable), world size 2")
+    for flags, lora in ((["--use_peft"], dict(r=16)),  # PEFT's targets for T5: q and v
+                        (["--use_peft", "--lora_r", "8", "--lora_target_modules", "all-linear"],
+                         dict(r=8, target_modules="all-linear"))):  # fmt: skip
+        total, trainable = _peft_trainable(config, **lora)
+        assert 0 < trainable < total // 20
+        header, rows = _estimate_rows(capsys, *flags)
+        assert f"LoRA r={lora['r']}: {trainable:,} trainable of {total:,} parameters" in header, header
+        targets = [lora["target_modules"]] if "target_modules" in lora else None  # as the flag gives it
+        assert planner.count_parameters(config, planner.lora_settings(lora["r"], targets)) == (total, trainable)
+        for key in rows:
+            if key[0] in ("zero_dp_2", "zero_dp_3"):
+                assert rows[key] < full[key], (flags, key, rows[key], full[key])
+    assert "k, o, q, v, wi, wo" in header  # all-linear: every linear layer but lm_head
+    assert planner.estimate_main(["--model", "t5-small", "--lora_r", "8", "--no_probe"]) == 2
+    assert "only --use_peft turns on" in capsys.readouterr().err
+    assert planner.estimate_main(["--model", "t5-small", "--use_peft", "--lora_target_modules", "nope",
+                                  "--no_probe"]) == 2  # fmt: skip
+    assert "nope" in capsys.readouterr().err
+
+
+def test_peft_zero3_units_split_each_unit_into_frozen_and_trainable():
+    """The planner's units of the PEFT model, every parameter sharded (threshold 0): the adapters,
+    counted per unit, add up to what PEFT makes trainable; the base's elements stay in the units."""
+    config = planner.model_config("t5-small")
+    total, trainable = _peft_trainable(config, r=16, target_modules="all-linear")
+    lora = planner.lora_settings(16, ["all-linear"])
+    units = planner.zero3_units(config, 1, persistence_threshold=0, lora=lora)
+    assert sum(units.inner) + units.root == total and units.persistent == 0
+    inner, root, persistent = units.trainable
+    assert sum(inner) + root == units.trainable_shard == trainable and persistent == 0
+    assert len(inner) == 12 and all(0 < t < n for t, n in zip(inner, units.inner)) and root == 0
+    base = planner.zero3_units(config, 1, persistence_threshold=0)
+    assert units.inner == tuple(n + t for n, t in zip(base.inner, inner))  # the base's units, plus their adapters
+    assert units.largest_trainable == max(inner) and units.root == base.root
+    plain = planner.zero3_units(config, 2)
+    assert plain.trainable == (plain.inner, plain.root, plain.persistent)  # no PEFT: everything trainable
+
+
+def test_auto_counts_a_peft_model_as_it_is(monkeypatch):
+    """--sharded_ddp auto with a PEFT model: the estimate counts its own trainable parameters (the
+    adapters), not every parameter of its config."""
+    from types import SimpleNamespace
+
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from trainer_shard.training import plan
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
+                                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    probe = planner.Probe(0, 0, 0)
+    monkeypatch.setattr(planner, "measure_probes", lambda *a, **k: {"ddp": probe, "sharded": probe})
+    counted, estimate = [], planner.estimate
+    spy = lambda config, **kw: counted.append(kw["model"]) or estimate(config, **kw)  # noqa: E731
+    monkeypatch.setattr(planner, "estimate", spy)
+    args = SimpleNamespace(compute_dtype="bf16", bf16=False, fp16=False, device=torch.device("cpu"), world_size=2,
+                           per_device_train_batch_size=2)  # fmt: skip
+    base = transformers.T5ForConditionalGeneration(config)
+    plan._plan_on_rank_zero(args, base, None, 2**30)
+    model = get_peft_model(transformers.T5ForConditionalGeneration(config), LoraConfig(task_type="SEQ_2_SEQ_LM", r=4))
+    plan._plan_on_rank_zero(args, model, None, 2**30)
+    assert counted == [None, model]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert planner.model_counts(model)[1] == trainable < sum(p.numel() for p in base.parameters()) // 10
 
 
 # ---- --sharded_ddp auto on a real run -------------------------------------------------------------

@@ -19,6 +19,22 @@ trainer_shard implements it:
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
 fp32 masters in the shards) else 4.
 
+LoRA (`--use_peft`, `--lora_r`, `--lora_target_modules`, `--lora_modules_to_save`: finetune.py's
+flags and defaults, r 16 and PEFT's target modules for the model type): the model counted is what
+`peft.get_peft_model` makes of the meta-device model (`meta_model`: finetune.py's LoraConfig, the
+adapters on the meta device too), A = the frozen base and the adapters, P = the trainable elements
+(the adapters, and the copies of `modules_to_save`). Parameters are held as the table says for A
+(ZeRO-3 shards the frozen base like the rest); gradients, DDP's and the reduce buckets, fp32
+masters and moments exist for P only. Under ZeRO-3 a unit's frozen and trainable parameters are
+flat buffers of their own (each padded to N; `model_units` counts each unit's, from the PEFT
+model's own parameters grouped by `auto_wrap_units`): the parameter columns count all of S and K,
+the gradient and optimizer columns only their trainable parts (a frozen element has no gradient
+shard, master or moments), and the unit buckets the largest unit's trainable elements. Adapters of
+at most `PERSISTENCE_THRESHOLD` elements (T5's q and v at r 16) are kept whole in K, with their
+gradients and state. `--sharded_ddp auto` counts a PEFT model as it is (`estimate(model=...)`).
+Not counted: the activations are the base model's (probe and meta estimate alike): LoRA saves
+less for frozen weights and adds its adapters' inputs (the dropout's copies) and r-wide outputs.
+
 Compute dtype (`--compute_dtype`, `compute.py`): with 16-bit parameters computed in fp32 (`auto`
 on a CPU without 16-bit matrix kernels) the sharded strategies also hold the compute buffers,
 4 (L + R) bytes: the fp32 copies of one layer L (the largest `auto_wrap_units` layer, cast while it
@@ -124,27 +140,68 @@ def model_config(spec: str):
     return AutoConfig.from_pretrained(spec)
 
 
-def count_parameters(config) -> tuple:
-    """(all, trainable) parameter counts, tied ones once, from the meta-device model."""
-    from .offload.dispatch import empty_model
+def count_parameters(config, lora: dict | None = None) -> tuple:
+    """(all, trainable) parameter counts, tied ones once, from the meta-device model (with `lora`:
+    the PEFT model `meta_model` makes, adapters included in all, trainable = the adapters)."""
+    return model_counts(meta_model(config, lora))
+
+
+def model_counts(model) -> tuple:
+    """(all, trainable) elements of a model's parameters as they are (a PEFT model: frozen base
+    and adapters), tied ones once; sharded ones counted whole."""
+    from .sharding.zero3 import full_numel
+
+    params = {id(p): p for p in model.parameters()}.values()
+    return sum(map(full_numel, params)), sum(full_numel(p) for p in params if p.requires_grad)
+
+
+def meta_model(config, lora: dict | None = None):
+    """The model on the meta device; with `lora` (`lora_settings`), LoRA applied to it by
+    `peft.get_peft_model` as finetune.py's `apply_peft` applies it (task SEQ_2_SEQ_LM, no bias;
+    the adapters on the meta device too: shapes only)."""
     from transformers import AutoModelForSeq2SeqLM
 
+    from .offload.dispatch import empty_model
+
     model = empty_model(AutoModelForSeq2SeqLM, config)
-    params = {id(p): p for p in model.parameters()}.values()
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    if lora is None:
+        return model
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora["target_modules"]
+    if targets == ["all-linear"]:
+        targets = "all-linear"  # as PEFT takes it (a list is matched by module name)
+    peft_config = LoraConfig(task_type="SEQ_2_SEQ_LM", r=lora["r"], target_modules=targets, bias="none",
+                             modules_to_save=lora["modules_to_save"])  # fmt: skip
+    with warnings.catch_warnings():  # PEFT asks transformers about gradient checkpointing by a deprecated name
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, peft_config)
+
+
+def lora_settings(r: int = 16, target_modules: list | None = None, modules_to_save: list | None = None) -> dict:
+    """What of finetune.py's LoRA flags the memory depends on (alpha and dropout do not); the
+    defaults are its own (r 16, PEFT's target modules for the model type)."""
+    return {"r": r, "target_modules": target_modules, "modules_to_save": modules_to_save}
 
 
 @dataclass(frozen=True)
 class Units:
     """What `shard_model` makes of a model, in elements: each inner unit's flat buffer (padded to a
     multiple of the world size) in forward order, the root unit's (0: none), and the parameters
-    kept whole on every rank (persistent). Built by `zero3_units`."""
+    kept whole on every rank (persistent); and of each, the trainable elements (a PEFT model's
+    adapters; None: all of them), the only ones with gradients and optimizer state. Built by
+    `zero3_units` / `model_units`."""
 
     inner: tuple
     root: int
     persistent: int
     world_size: int
     classes: tuple = ()  # the unit classes, for the table's note
+    inner_trainable: tuple | None = None  # each inner unit's trainable flat buffer (padded)
+    root_trainable: int | None = None
+    persistent_trainable: int | None = None
 
     @property
     def shard(self) -> int:
@@ -154,6 +211,25 @@ class Units:
     @property
     def largest(self) -> int:
         return max(self.inner, default=self.root)
+
+    @property
+    def trainable(self) -> tuple:
+        """(each inner unit's trainable elements, the root's, the persistent ones')."""
+        return (self.inner if self.inner_trainable is None else self.inner_trainable,
+                self.root if self.root_trainable is None else self.root_trainable,
+                self.persistent if self.persistent_trainable is None else self.persistent_trainable)  # fmt: skip
+
+    @property
+    def trainable_shard(self) -> int:
+        """Elements of this rank's slices of the trainable flat buffers: its gradient shards."""
+        inner, root, _ = self.trainable
+        return (sum(inner) + root) // self.world_size
+
+    @property
+    def largest_trainable(self) -> int:
+        """The largest unit's trainable elements: a reduce bucket (frozen ones have no gradient)."""
+        inner, root, _ = self.trainable
+        return max(inner, default=root)
 
     def pool_numel(self) -> int:
         """Elements of the gather buffers `GatherPool` keeps after the first step: for each buffer
@@ -168,29 +244,41 @@ class Units:
         return sum(size * count for size, count in most.items())
 
 
-def zero3_units(config, world_size: int, persistence_threshold: int | None = None) -> Units:
-    """The units `zero_dp_3 auto_wrap` makes (`zero3.auto_wrap_units`, the rule the Trainer's
-    wiring uses), from the meta-device model: the same ownership rule (a parameter belongs to the
-    innermost unit holding all its users; T5's tied embedding to the root) and threshold."""
-    from transformers import AutoModelForSeq2SeqLM
+def zero3_units(config, world_size: int, persistence_threshold: int | None = None, lora: dict | None = None) -> Units:
+    """The units `zero_dp_3 auto_wrap` makes of `config`'s meta-device model (with `lora`: of the
+    PEFT model `meta_model` makes): `model_units`."""
+    return model_units(meta_model(config, lora), world_size, persistence_threshold)
 
-    from .offload.dispatch import empty_model
-    from .sharding.zero3 import PERSISTENCE_THRESHOLD, auto_wrap_units, owners, unit_modules
+
+def model_units(model, world_size: int, persistence_threshold: int | None = None) -> Units:
+    """The units `zero_dp_3 auto_wrap` makes of `model` (`zero3.auto_wrap_units`, the rule the
+    Trainer's wiring uses): the same ownership rule (a parameter belongs to the innermost unit
+    holding all its users; T5's tied embedding to the root) and threshold. A unit's frozen and
+    trainable parameters are flat buffers of their own, each padded to the world size."""
+    from .sharding.zero3 import PERSISTENCE_THRESHOLD, auto_wrap_units, full_numel, owners, unit_modules
 
     threshold = PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold
-    model = empty_model(AutoModelForSeq2SeqLM, config)
     found, _ = auto_wrap_units(model)
     classes = tuple(sorted({type(m).__name__ for m in found}))
     modules = unit_modules(model, found)
     owner, _ = owners(model, modules)
-    sharded, persistent = {id(m): 0 for m in modules}, 0
+    frozen, trained = {id(m): 0 for m in modules}, {id(m): 0 for m in modules}
+    persistent = persistent_trainable = 0
     for p, module in owner.items():
-        if p.numel() <= threshold:  # frozen parameters are sharded too
-            persistent += p.numel()
+        numel = full_numel(p)
+        if numel <= threshold:  # frozen parameters are sharded too
+            persistent += numel
+            persistent_trainable += numel if p.requires_grad else 0
         else:
-            sharded[id(module)] += p.numel()
-    padded = [-(-sharded[id(m)] // world_size) * world_size for m in modules]  # the root is last
-    return Units(tuple(n for n in padded[:-1] if n), padded[-1], persistent, world_size, classes)
+            (trained if p.requires_grad else frozen)[id(module)] += numel
+
+    def padded(numel):
+        return -(-numel // world_size) * world_size
+
+    sizes = [(padded(frozen[id(m)]) + padded(trained[id(m)]), padded(trained[id(m)])) for m in modules]
+    inner = [(n, t) for n, t in sizes[:-1] if n]  # the root is last
+    return Units(tuple(n for n, _ in inner), sizes[-1][0], persistent, world_size, classes,
+                 tuple(t for _, t in inner), sizes[-1][1], persistent_trainable)  # fmt: skip
 
 
 def strategy_bytes(strategy: str, offload, total: int, trainable: int, world: int, precision: str,
@@ -242,23 +330,24 @@ def _zero3_bytes(offload, units: Units | None, world: int, w: int) -> dict:
 
 def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
     """zero_dp_3's bytes per rank by part, as the engine names them (`held_parameter_bytes`):
-    "shards" (w bytes), "grad_shards" (fp32; offloaded: w, as zero_dp_2's store keeps them),
-    "persistent" (whole, with their gradients and AdamW state in their dtype), "pool" (the gather
-    buffers), "buckets" (3 units' gradients being reduced: the one filling and `GradReducer`'s
-    2 in flight) and "optimizer" (fp32 masters for 16-bit or offloaded shards, AdamW's moments:
-    on the device, or in the offload store). `w`: the parameters' bytes an element."""
+    "shards" (w bytes), "grad_shards" (the trainable elements'; fp32, offloaded: w, as zero_dp_2's
+    store keeps them), "persistent" (whole, with the trainable ones' gradients and AdamW state in
+    their dtype), "pool" (the gather buffers), "buckets" (3 units' gradients being reduced: the one
+    filling and `GradReducer`'s 2 in flight) and "optimizer" (fp32 masters for 16-bit or offloaded
+    trainable shards, AdamW's moments: on the device, or in the offload store). `w`: the
+    parameters' bytes an element."""
     if units is None or units.world_size != world:
         raise ValueError(f"zero_dp_3 needs its units for {world} ranks: zero3_units(config, {world})")
     from .sharding.reducer import MAX_16BIT_RANKS
 
-    shard, K = units.shard, units.persistent
+    shard, K, trained, trained_K = units.shard, units.persistent, units.trainable_shard, units.trainable[2]
     return {
         "shards": w * shard,
-        "grad_shards": (w if offload else 4) * shard,
-        "persistent": w * K * (2 + STATE_TENSORS),
+        "grad_shards": (w if offload else 4) * trained,
+        "persistent": w * K + w * trained_K * (1 + STATE_TENSORS),
         "pool": w * units.pool_numel(),
-        "buckets": 3 * (4 if world > MAX_16BIT_RANKS else w) * units.largest,  # `default_reduce_dtype`
-        "optimizer": (4 if w == 2 or offload else 0) * shard + 4 * STATE_TENSORS * shard,
+        "buckets": 3 * (4 if world > MAX_16BIT_RANKS else w) * units.largest_trainable,  # `default_reduce_dtype`
+        "optimizer": (4 if w == 2 or offload else 0) * trained + 4 * STATE_TENSORS * trained,
     }
 
 
@@ -275,19 +364,22 @@ def zero3_param_offload_parts(units: Units | None, world: int, w: int,
     the compute device: "pool" (the gather buffers of at most `buffer_count` units alive at once:
     the root, held through forward and backward, and the largest others), "persistent" and
     "buckets" (as `zero3_parts`), "reduced" (the reduce-scatter outputs of the 2 buckets in flight:
-    this rank's slice of a unit). In CPU RAM: "grad_writes" (a unit's reduced slice in w bytes on
-    the store's writer thread and the next one, made before it waits for that write) and "engine"
+    this rank's slice of a unit's trainable gradients). In CPU RAM: "grad_writes" (a unit's reduced
+    slice in w bytes on the store's writer thread and the next one, made before it waits for that
+    write) and "engine"
     (the offload engine's `ENGINE_BUFFERS` sets of chunk buffers: fp32 master and moments, the
     gradient chunks read and the parameter chunks written, w bytes each; and an fp32 gradient chunk
     for the shards' flat groups and one for the persistent parameters'). On disk: "param_shards"
-    and "grad_shards" (w S/N each) and "optimizer" (fp32 masters and moments of the shards and of
-    the persistent parameters' shard, which the engine steps from its store too)."""
+    and "grad_shards" (w S/N each; gradients of the trainable elements only) and "optimizer" (fp32
+    masters and moments of the trainable shards and of the trainable persistent parameters' shard,
+    which the engine steps from its store too)."""
     from .sharding.reducer import MAX_16BIT_RANKS
 
     parts = zero3_parts("disk", units, world, w)
-    shard, K, N = units.shard, units.persistent, world
+    shard, N = units.shard, world
+    trained_inner, trained_root, trained_K = units.trainable
     others = min(buffer_count - (1 if units.root else 0), len(units.inner))
-    slice_numel = max((*units.inner, units.root)) // N  # this rank's slice of the largest unit (padded to N)
+    slice_numel = max((*trained_inner, trained_root)) // N  # this rank's slice of the largest unit's gradient
     return {
         "pool": w * (units.root + others * max(units.inner, default=0)),
         "persistent": parts["persistent"],
@@ -296,8 +388,8 @@ def zero3_param_offload_parts(units: Units | None, world: int, w: int,
         "grad_writes": 2 * w * slice_numel,
         "engine": DISK_BUFFERS + ENGINE_BUFFERS * CHUNK_NUMEL * 2 * w + 2 * 4 * CHUNK_NUMEL,
         "param_shards": w * shard,
-        "grad_shards": w * shard,
-        "optimizer": 4 * (1 + STATE_TENSORS) * (shard + -(-K // N)),
+        "grad_shards": w * units.trainable_shard,
+        "optimizer": 4 * (1 + STATE_TENSORS) * (units.trainable_shard + -(-trained_K // N)),
     }
 
 
@@ -341,14 +433,17 @@ def compute_buffer_bytes(strategy: str, precision: str, compute: str | None, uni
 
 def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
              device: str = "cpu", probes: dict | None = None, max_memory: int | None = None,
-             compute: str | None = None) -> list:  # fmt: skip
+             compute: str | None = None, model=None) -> list:  # fmt: skip
     """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, the
     bytes the node's disk reads and writes a step (`disk_traffic`), fits.
     `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device.
     `compute`: the compute dtype's name ("fp32" over 16-bit `precision` adds the compute buffers,
-    `compute_buffer_bytes`); None: the precision's own."""
-    total, trainable = count_parameters(config)
-    units = zero3_units(config, world_size)
+    `compute_buffer_bytes`); None: the precision's own. `model`: the model to count, its
+    parameters as they are (a PEFT model: the adapters trainable, the base frozen; on the meta
+    device or not); None: `config`'s, built on the meta device, every parameter trainable."""
+    model = meta_model(config) if model is None else model
+    total, trainable = model_counts(model)
+    units = model_units(model, world_size)
     if probes is None:
         probes = dict.fromkeys(("ddp", "sharded"), meta_probe(config, source_length, target_length))
     rows = []
@@ -589,7 +684,17 @@ def zero3_note(units: Units) -> str:
             f"forward and backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
             f"kept: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient and optimizer "
             f"shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
-            "buffers of at most that many units in RAM; max_in_cpu 0)")  # fmt: skip
+            "buffers of at most that many units in RAM; max_in_cpu 0)" + _trainable_note(units))  # fmt: skip
+
+
+def _trainable_note(units: Units) -> str:
+    """Where some parameters are frozen (LoRA): what of the units has gradients and optimizer state."""
+    inner, root, persistent = units.trainable
+    if (inner, root, persistent) == (units.inner, units.root, units.persistent):
+        return ""
+    m = 1e6
+    return (f". Trainable (gradients and optimizer state; the rest frozen): {(sum(inner) + root) / m:.2f} M sharded "
+            f"elements and {persistent / m:.2f} M kept whole")  # fmt: skip
 
 
 def compute_dtype(requested: str, precision: str, device: str) -> tuple:
@@ -617,11 +722,38 @@ def estimate_main(argv=None) -> int:
     parser.add_argument("--no_probe", action="store_true", help="estimate activations on the meta device instead")
     parser.add_argument("--compute_dtype", default="auto", choices=("auto", *PRECISIONS),
                         help="as the Trainer's flag: auto times a product on --device (CPU) as training would")  # fmt: skip
+    parser.add_argument("--use_peft", action="store_true",
+                        help="LoRA (PEFT) as finetune_trainer.py --use_peft: the base frozen, gradients and "
+                        "optimizer state for the adapters only")  # fmt: skip
+    parser.add_argument("--lora_r", type=int, default=None, help="LoRA rank (with --use_peft; default 16)")
+    parser.add_argument("--lora_target_modules", nargs="+", default=None,
+                        help="modules given adapters (e.g. q v), or all-linear; default: PEFT's for the model "
+                        "type")  # fmt: skip
+    parser.add_argument("--lora_modules_to_save", nargs="+", default=None,
+                        help="modules trained whole beside the adapters (e.g. lm_head)")  # fmt: skip
     args = parser.parse_args(argv)
+    lora_flags = {"--lora_r": args.lora_r, "--lora_target_modules": args.lora_target_modules,
+                  "--lora_modules_to_save": args.lora_modules_to_save}  # fmt: skip
+    given = [flag for flag, value in lora_flags.items() if value is not None]
+    if given and not args.use_peft:
+        print(f"trainer-shard estimate: {', '.join(given)} configure LoRA, which only --use_peft turns on",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    lora = None
+    if args.use_peft:
+        lora = lora_settings(16 if args.lora_r is None else args.lora_r, args.lora_target_modules,
+                             args.lora_modules_to_save)  # fmt: skip
+        if lora["r"] < 1:
+            print(f"trainer-shard estimate: --lora_r {lora['r']}: the rank must be at least 1", file=sys.stderr)
+            return 2
     try:
         config = model_config(args.model)
         budget = parse_size(args.max_memory) if args.max_memory else None
-    except (OSError, ValueError) as e:
+        model = meta_model(config, lora)
+    except ImportError as e:
+        print(f"trainer-shard estimate: --use_peft needs the peft package ({e})", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # ValueError: also a LoRA target module the model does not have
         print(f"trainer-shard estimate: {e}", file=sys.stderr)
         return 2
     if args.device.startswith("cuda") and not args.no_probe:
@@ -639,12 +771,17 @@ def estimate_main(argv=None) -> int:
                                                        args.target_length, args.device, compute)  # fmt: skip
     rows = estimate(config, world_size=args.world_size, precision=args.precision, batch_size=args.batch_size,
                     source_length=args.source_length, target_length=args.target_length, device=args.device,
-                    probes=probes, max_memory=budget, compute=compute)  # fmt: skip
-    total, trainable = count_parameters(config)
-    print(f"{args.model}: {total:,} parameters ({trainable:,} trainable), world size {args.world_size}, "
+                    probes=probes, max_memory=budget, compute=compute, model=model)  # fmt: skip
+    total, trainable = model_counts(model)
+    counted = f"{total:,} parameters ({trainable:,} trainable)"
+    if lora is not None:
+        targets = model.peft_config["default"].target_modules
+        targets = targets if isinstance(targets, str) else ", ".join(sorted(targets))
+        counted = f"LoRA r={lora['r']}: {trainable:,} trainable of {total:,} parameters (adapters on {targets})"
+    print(f"{args.model}: {counted}, world size {args.world_size}, "
           f"{args.precision}, batch {args.batch_size} x {args.source_length}/{args.target_length} tokens per rank; "
           f"activations {'measured' if probes else 'estimated on the meta device'}\n{said}\n")  # fmt: skip
-    print(format_table(rows, budget, zero3_units(config, args.world_size)))
+    print(format_table(rows, budget, model_units(model, args.world_size)))
     return 0
 
 

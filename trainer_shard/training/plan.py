@@ -142,7 +142,9 @@ def auto_param_offload(store: str, model) -> ParamOffloadSpec:
 
 
 def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:
-    """("chosen", ((strategy, offload) or None, why)): the planner's estimate and choice."""
+    """("chosen", ((strategy, offload) or None, why)): the planner's estimate and choice. A PEFT
+    model is counted as it is (its frozen base and trainable adapters: gradients and optimizer
+    state for the adapters only); any other by its config, every parameter trainable."""
     from .. import planner
 
     source, target = planner.dataset_lengths(train_dataset) if train_dataset is not None else (128, 128)
@@ -153,7 +155,8 @@ def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:
         probes = planner.measure_probes(folder, precision, source, target, args.device.type, compute)
     rows = planner.estimate(model.config, world_size=max(1, args.world_size), precision=precision,
                             batch_size=args.per_device_train_batch_size, source_length=source, target_length=target,
-                            device=args.device.type, probes=probes, max_memory=budget, compute=compute)  # fmt: skip
+                            device=args.device.type, probes=probes, max_memory=budget, compute=compute,
+                            model=model if hasattr(model, "peft_config") else None)  # fmt: skip
     choice = planner.choose(rows, budget)
     return "chosen", (choice and (choice["strategy"], choice["offload"]), planner.explain(rows, choice, budget))
 
