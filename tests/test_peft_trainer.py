@@ -107,3 +107,26 @@ def test_lora_under_zero3_resumes_exactly_and_loads_its_best_checkpoint(tiny_mod
     chosen = load_file(Path(state["best_model_checkpoint"]) / "adapter_model.safetensors")
     final = load_file(best / "adapter_model.safetensors")  # saved after the best was loaded back
     assert all(torch.equal(chosen[k], final[k]) for k in chosen)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_lora_under_zero3_with_gradient_checkpointing_trains_the_adapters(tiny_model, tiny_data, tmp_path, reentrant):
+    """Frozen units under checkpointing (transformers issue 47254: with a frozen base, reentrant
+    checkpointing saw no input requiring grad and the adapters got none): the adapters train as
+    they do without checkpointing, within the rounding checkpointing moves in T5."""
+    def run(out, *extra):
+        flags = ["--model_name_or_path", tiny_model, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS, *LORA,
+                 "--do_train", "--max_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2",
+                 "--sharded_ddp", "zero_dp_3 auto_wrap", *small_units(tmp_path), *extra]  # fmt: skip
+        assert_ok(run_script(flags, nproc=2))
+        return steps(out), load_file(out / "adapter_model.safetensors")
+
+    plain, plain_adapter = run(tmp_path / "plain")
+    kwargs = json.dumps({"use_reentrant": reentrant})
+    checked, adapter = run(tmp_path / "ckpt", "--gradient_checkpointing", "--gradient_checkpointing_kwargs", kwargs)
+    for (loss, norm), (ref_loss, ref_norm) in zip(checked, plain, strict=True):
+        assert loss == pytest.approx(ref_loss, rel=1e-4) and norm == pytest.approx(ref_norm, rel=1e-4)
+    assert norm > 0  # the adapters had gradients
+    assert max((adapter[k] - plain_adapter[k]).abs().max().item() for k in adapter) <= 1e-5
