@@ -3,6 +3,7 @@
     trainer-shard consolidate output/checkpoint-500 t5-final                  # fp32, from the masters
     trainer-shard consolidate output/checkpoint-500 t5-bf16 --dtype bfloat16 --max_shard_size 2GB
     trainer-shard consolidate output/checkpoint-500 t5-full --optimizer       # + optimizer.safetensors
+    trainer-shard consolidate output/lora t5-merged --merge_adapter           # a LoRA adapter merged into its base
 
 The weights come from the fp32 master shards of `optimizer_shards/` (the trainable parameters,
 at full precision even when the run trained in bf16) and from the checkpoint's own model file
@@ -150,7 +151,7 @@ def _copy_side_files(checkpoint: Path, out: Path, dtype) -> None:
             tmp = out / f"{path.name}.tmp"
             try:
                 shutil.copy2(path, tmp)
-                if path.name == "config.json":
+                if path.name == "config.json" and dtype is not None:  # None: the source's own
                     _set_dtype(tmp, dtype)
                 os.replace(tmp, out / path.name)
             finally:
@@ -189,12 +190,27 @@ def consolidate_main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="trainer-shard consolidate", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint-N folder of a sharded or offloaded run")
     parser.add_argument("out", help="the model folder to write")
-    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--dtype", default=None, help="float32 (the default; merging: the base's own), bfloat16 "
+                        "or float16")  # fmt: skip
     parser.add_argument("--max_shard_size", default="5GB", help="largest weights file (default 5GB)")
     parser.add_argument("--optimizer", action="store_true", help="also write the full optimizer state")
+    parser.add_argument("--merge_adapter", action="store_true",
+                        help="CHECKPOINT is a LoRA run's folder (adapter_model.safetensors): write its base with the "
+                        "adapter merged in, a tensor at a time")  # fmt: skip
+    parser.add_argument("--base", default=None, help="with --merge_adapter: the base model's folder (default: the "
+                        "adapter config's base_model_name_or_path)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        out = consolidate(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.optimizer)
+        if args.merge_adapter:
+            if args.optimizer:
+                raise CheckpointError("--optimizer writes a sharded run's optimizer state; a merged adapter has none")
+            from .merge_adapter import merge_adapter
+
+            out = merge_adapter(args.checkpoint, args.out, args.base, args.dtype, args.max_shard_size)
+        elif args.base is not None:
+            raise CheckpointError("--base names the base model of --merge_adapter: add --merge_adapter")
+        else:
+            out = consolidate(args.checkpoint, args.out, args.dtype or "float32", args.max_shard_size, args.optimizer)
     except CheckpointError as e:
         print(f"trainer-shard: {e}", file=sys.stderr)
         return 2
