@@ -65,6 +65,15 @@ def test_lora_under_every_sharding_trains_as_under_ddp(tiny_model, tiny_data, tm
         assert worst <= 1e-6, f"{name}: adapters {worst:.3g} from DDP's"
         assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in adapter.items() if "lora_B" in k)  # trained
         assert (out / "test_generations.txt").read_text() == ref_generations, name
+    # the adapter of the run whose base never was whole loads with PEFT's own loader onto the base
+    from peft import PeftModel
+    from transformers import AutoModelForSeq2SeqLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForSeq2SeqLM.from_pretrained(tiny_model), tmp_path / "base_on_disk")
+    state = loaded.state_dict()
+    saved = load_file(tmp_path / "base_on_disk" / "adapter_model.safetensors")
+    for key, value in saved.items():
+        torch.testing.assert_close(state[key.replace(".weight", ".default.weight")].float(), value.float(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("flags, fragment", [
