@@ -91,9 +91,10 @@ def test_lora_flags_that_would_do_nothing_or_cannot_work_are_refused(tmp_path, f
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_lora_under_zero3_resumes_exactly_and_loads_its_best_checkpoint(tiny_model, tiny_data, tmp_path):
-    """Checkpoints hold the adapter and its optimizer shards: resumed from checkpoint-2, the run ends
-    with the uninterrupted run's adapter; load_best_model_at_end reads the best adapter back into
-    the sharded model (it raised: ZeRO-3's loader looked for a whole model's weights)."""
+    """Checkpoints hold the adapter and its optimizer shards: resumed from checkpoint-2, on 2 ranks
+    or on one process, the run ends with the uninterrupted run's adapter; load_best_model_at_end
+    reads the best adapter back into the sharded model (it raised: ZeRO-3's loader looked for a
+    whole model's weights)."""
     def flags(out, *extra):
         return ["--model_name_or_path", tiny_model, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS,
                 *LORA, "--do_train", "--max_steps", "4", "--per_device_train_batch_size", "4",
@@ -110,6 +111,14 @@ def test_lora_under_zero3_resumes_exactly_and_loads_its_best_checkpoint(tiny_mod
     want, got = load_file(straight / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     assert want.keys() == got.keys()
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
+    # on one process: the same micro-batches (2 ranks of 4 = one rank accumulating 2 of 4), no conversion
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copytree(straight / "checkpoint-2", alone / "checkpoint-2")
+    assert_ok(run_script([*flags(alone), "--use_cpu", "--gradient_accumulation_steps", "2",
+                          "--resume_from_checkpoint", alone / "checkpoint-2"]))  # fmt: skip
+    got = load_file(alone / "adapter_model.safetensors")
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
     assert_ok(run_script(flags(best, "--do_eval", "--eval_strategy", "steps", "--eval_steps", "2", "--n_val", "8",
                                "--load_best_model_at_end", "--metric_for_best_model", "loss"), nproc=2))  # fmt: skip
     state = json.loads((best / "trainer_state.json").read_text())
