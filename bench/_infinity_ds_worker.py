@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--work", required=True)
     parser.add_argument("--torch-adamw", action="store_true", help="torch's fused AdamW, not DeepSpeedCPUAdam")
+    parser.add_argument("--lora", type=int, default=0,
+                        help="LoRA rank on q and v (PEFT's get_peft_model on the ZeRO-3 model); 0: full fine-tuning")
     args = parser.parse_args()
     import deepspeed
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
@@ -127,10 +129,16 @@ def main() -> None:
         hf_config = HfDeepSpeedConfig(config)  # noqa: F841 - transformers sees ZeRO-3 while it lives
         torch.manual_seed(0)
         model = T5ForConditionalGeneration._from_config(arch_config)
+        if args.lora:  # as PEFT users do it under DeepSpeed ZeRO-3 (TRL, axolotl): adapters on the partitioned model
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="SEQ_2_SEQ_LM", r=args.lora, lora_alpha=2 * args.lora,
+                                                     lora_dropout=0.0, target_modules=["q", "v"]))  # fmt: skip
+        trainable = [p for p in model.parameters() if p.requires_grad]
         opt = None
         if client_optimizer:
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=opt,
+            opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=trainable, optimizer=opt,
                                           config=config)  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the nvme row records DeepSpeed's reason; the CPU row fails
         if args.row != "deepspeed_zero3_nvme":
@@ -165,7 +173,9 @@ def main() -> None:
                    "build_seconds": build_seconds, "step_seconds": times, "losses": losses, "io": io,
                    "peak_rss": peak_rss(), "op_build_seconds": op_build_seconds, "threads": torch.get_num_threads(),
                    "optimizer": type(inner).__name__, "optimizer_wrapper": type(engine.optimizer).__name__,
-                   "deepspeed": deepspeed.__version__, "notes": notes})  # fmt: skip
+                   "deepspeed": deepspeed.__version__, "notes": notes, "lora": args.lora,
+                   "trainable": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad),
+                   "full_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())})  # fmt: skip
     print(json.dumps(result), flush=True)
     deepspeed.comm.destroy_process_group()
 

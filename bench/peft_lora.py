@@ -14,7 +14,8 @@ Rows (each its own process, its work folder removed after it):
   bf16 with ShardedOptimizer ZeRO-2; bf16 with the model sharded ZeRO-3 (`shard_model`, one unit per
   T5Block, in RAM); and ZeRO-3 with the base built on the meta device and read into the
   parameter store on disk (`offload_param` nvme, max_in_cpu 0), the adapters' optimizer state on
-  disk too.
+  disk too; then the peer, DeepSpeed ZeRO-3 with PEFT's LoRA on the same model, parameters and optimizer
+  state offloaded to CPU (bench/_infinity_ds_worker.py --lora 16, in bench/.venv).
 - 11b (t5-11b, 11.3 B, 21 GiB in bf16, batch 1 x 32 tokens, `--steps11b` steps): LoRA with the base
   on disk, its weights generated a tensor at a time into the store; beside each step its two
   bounds measured in the same run: reading the base twice (forward and backward) at the disk's
@@ -33,7 +34,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import cpu_name, write_markdown  # noqa: E402
-from infinity import GIB, disk_bandwidth, run_row, summarize  # noqa: E402  (bench/infinity.py)
+from infinity import BENCH_PY, DS_EXTRA, DS_WORKER, GIB, deepspeed_env, disk_bandwidth, run_row, summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -41,7 +42,8 @@ LARGE = [("plain_fp32", 0), ("plain_fp32", 16), ("zero2", 16), ("zero3", 16), ("
 NAMES = {("plain_fp32", 0): "plain fp32, full fine-tune (the reference)",
          ("plain_fp32", 16): "LoRA, fp32, fused AdamW on the adapters",
          ("zero2", 16): "LoRA, bf16, ZeRO-2", ("zero3", 16): "LoRA, bf16, ZeRO-3 in RAM",
-         ("zero3_disk", 16): "LoRA, bf16, ZeRO-3, the base on disk"}  # fmt: skip
+         ("zero3_disk", 16): "LoRA, bf16, ZeRO-3, the base on disk",
+         ("deepspeed_zero3_cpu", 16): "DeepSpeed ZeRO-3 + PEFT LoRA, bf16, parameters and optimizer offloaded to CPU"}  # fmt: skip
 
 
 def table(results: list, reference: dict | None) -> str:
@@ -84,17 +86,29 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=5400)
     parser.add_argument("--bandwidth-gib", type=float, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "peft_lora")
+    parser.add_argument("--large-rows", nargs="*", default=[f"{r}:{n}" for r, n in LARGE],
+                        help="of the large set, as ROW:LORA_RANK (default all)")
+    parser.add_argument("--no-deepspeed", action="store_true", help="leave out DeepSpeed ZeRO-3 + PEFT (the peer)")
+    parser.add_argument("--python", type=Path, default=BENCH_PY,
+                        help="the interpreter of the DeepSpeed row (default bench/.venv, made if missing)")  # fmt: skip
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     bandwidth = disk_bandwidth(args.folder, int(args.bandwidth_gib * GIB))
     print(f"disk: write {bandwidth['write'] / GIB:.2f} GiB/s, read {bandwidth['read'] / GIB:.2f} GiB/s", flush=True)
     results = []
     if "large" in args.rows:
-        for row, lora in LARGE:
+        for row, lora in (tuple(x.split(":")) for x in args.large_rows):
+            lora = int(lora)
             extra = ["--lora", str(lora)] if lora else []
             results.append(summarize({**run_row(row, args.large_arch, args.steps, args.folder, args.timeout,
                                                 extra=extra), "lora": lora}, bandwidth))  # fmt: skip
             print(table(results, results[0] if "skipped" not in results[0] else None), flush=True)
+        if not args.no_deepspeed:  # the peer: DeepSpeed ZeRO-3 + PEFT, parameters and optimizer offloaded to CPU
+            why = deepspeed_env(args.python)
+            result = {"row": "deepspeed_zero3_cpu", "arch": args.large_arch, "skipped": why} if why else run_row(
+                "deepspeed_zero3_cpu", args.large_arch, args.steps, args.folder, args.timeout, python=args.python,
+                worker=DS_WORKER, env=DS_EXTRA, extra=["--lora", "16"])  # fmt: skip
+            results.append(summarize({**result, "lora": 16}, bandwidth))
     big = None
     if "11b" in args.rows:
         big = summarize({**run_row("zero3_disk", "t5-11b", args.steps11b, args.folder, args.timeout,
