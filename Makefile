@@ -47,7 +47,7 @@ test: install
 
 # unit and single-process tests: the markers are declared in setup.cfg
 test-fast: install
-	$(PY) -m pytest -m "not multiproc and not slow"
+	$(PY) -m pytest -m "not multiproc and not slow" -n 2
 
 clean:
 	rm -rf output/demo $(DEMO_DATA) $(DEMO_MODEL)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainer_shard.cli import main
 
 
@@ -15,6 +17,7 @@ def test_usage_and_unknown_command(capsys):
     assert main([]) == 2
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_make_demo_data_through_the_console_script(tmp_path):
     exe = Path(sys.executable).with_name("trainer-shard")  # installed beside the venv's python
     proc = subprocess.run(

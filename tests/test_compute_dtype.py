@@ -354,6 +354,7 @@ def test_tensors_that_are_not_cast_copies_reach_the_outer_hooks(given):
         torch.testing.assert_close(p.grad.float(), expected[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_auto_on_a_cpu_without_bf16_kernels_computes_in_fp32():
     """oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA) is a CPU without bf16 matrix kernels as torch
     sees it (`_is_mkldnn_bf16_supported()` False: products in the reference loop, measured 4.3 s

@@ -234,6 +234,7 @@ def test_keys_that_do_nothing_in_this_run_are_ignored_with_one_warning(tmp_path,
     assert len(warned) == len(ignored) and all(key in w for key, w in zip(ignored, warned)), warned
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_readme_has_the_generated_table_of_every_key():
     table = subprocess.run([sys.executable, str(CONFIGS.parent / "scripts" / "config_keys_table.py")],
                            capture_output=True, text=True, check=True).stdout  # fmt: skip

@@ -293,6 +293,7 @@ def extensions(tmp_path, monkeypatch) -> dict:
     return dict(os.environ)
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_a_build_killed_mid_way_does_not_hang_the_next_run(tmp_path, extensions):
     """A builder SIGKILLed mid-build leaves torch's `<folder>/lock`: the next run falls back to
     torch's path at once, with one warning naming the lock, and removes it (so the run after
@@ -306,6 +307,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_run(tmp_path, extensions)
     assert "BuildLockError" in got["error"] and not baton.exists()
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_a_live_builder_is_waited_for_a_bounded_time(extensions):
     """Another process holds the build lock (a rank building): the next waits for it, at most
     `BUILD_TIMEOUT_S`, then falls back with one warning; it never reaches torch's lock."""

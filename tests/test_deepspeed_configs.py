@@ -315,6 +315,7 @@ def test_a_fp16_section_in_a_bf16_run_is_ignored_with_a_warning(tmp_path):
     assert dict(config.ignored) == {"$.fp16": "loss_scale, hysteresis: loss-scale settings, and fp16 is off in this run"}
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_validate_config_prints_the_settings_and_each_ignored_key_once(tmp_path):
     path = ROOT / "tests" / "data" / "deepspeed" / "hf_docs_zero2_auto.json"
     proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "validate-config", str(path), "--world_size", "2"],
@@ -403,6 +404,7 @@ def test_parameter_offload_in_a_stage_0_file_run_with_zero_dp_3_needs_the_optimi
                  sharded_ddp="zero_dp_3 offload")  # fmt: skip
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_validate_config_shows_the_stage_3_settings():
     proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "validate-config",
                            str(DATA / "llamafactory_ds_z3_config.json")], capture_output=True, text=True, cwd=ROOT)  # fmt: skip

@@ -33,6 +33,7 @@ def base_and_adapter(tmp_path, **lora):
     return model
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @pytest.mark.parametrize("lora", [{}, {"use_rslora": True, "modules_to_save": ["lm_head"]}], ids=["lora", "rslora"])
 def test_the_merged_model_equals_peft_merge_and_unload(tmp_path, lora):
     model = base_and_adapter(tmp_path, **lora)
@@ -54,6 +55,7 @@ def test_the_merged_model_equals_peft_merge_and_unload(tmp_path, lora):
     torch.testing.assert_close(again(input_ids=ids, labels=ids).logits, model(input_ids=ids, labels=ids).logits)
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_refusals_name_the_fix(tmp_path):
     base_and_adapter(tmp_path)
     with pytest.raises(CheckpointError, match="has no adapter_config.json"):

@@ -319,6 +319,7 @@ print(float(tensor.sum()))
 """
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_a_sigbus_on_a_mapped_page_names_the_file_and_the_cause_and_deletes_the_store(tmp_path):
     import signal
     import subprocess

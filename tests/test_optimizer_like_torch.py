@@ -60,6 +60,7 @@ def test_closed_optimizer_leaves_the_gradients_to_another():
     assert max_diff(reference, ours) == 0.0
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_trainer_with_a_re_created_optimizer_trains_like_the_plain_trainer(tiny_model, tiny_data, tmp_path):
     """`trainer.optimizer = None; trainer.create_optimizer()` under --sharded_ddp zero_dp_2: the
     second ShardedOptimizer takes the model over and the run ends where the plain Trainer's does."""

@@ -1,5 +1,6 @@
 """With no plugin flag the trainer is a true drop-in: bit-identical weights to transformers'."""
 
+import pytest
 import torch
 from transformers import (
     AutoModelForSeq2SeqLM,
@@ -34,6 +35,7 @@ def train(trainer_cls, args_cls, model_dir, data_dir, out_dir):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer.state.log_history
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_bit_identical_to_seq2seq_trainer(tiny_model, tiny_data, tmp_path):
     ours, _ = train(ShardedSeq2SeqTrainer, ShardedSeq2SeqTrainingArguments, tiny_model, tiny_data, tmp_path / "a")
     theirs, _ = train(Seq2SeqTrainer, Seq2SeqTrainingArguments, tiny_model, tiny_data, tmp_path / "b")

@@ -392,6 +392,7 @@ def _estimate_rows(capsys, *flags) -> tuple:
     return out.splitlines()[0], rows
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_estimate_command_with_peft_counts_gradients_and_state_of_the_adapters_only(capsys):
     config = planner.model_config("t5-small")
     header, full = _estimate_rows(capsys)

@@ -205,6 +205,7 @@ def test_any_json_document(workdir, training_args, document):
     load(path, training_args=training_args, world_size=2)
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @FUZZ
 @given(document=schema_documents)
 @example(document={"scheduler": "auto"})  # TypeError once: the object's default (None) stood in
@@ -218,6 +219,7 @@ def test_documents_from_the_schema(workdir, training_args, document):
     load(path, training_args=training_args, world_size=2)
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @FUZZ
 @given(data=raw_bytes)
 @example(data=b"[" * 100_000)  # RecursionError once
@@ -226,6 +228,7 @@ def test_raw_bytes(workdir, data):
     load(write(workdir, data))
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @settings(FUZZ, max_examples=150)
 @given(document=schema_documents)
 def test_offload_flag(workdir, document):

@@ -34,6 +34,7 @@ def start():
     return child
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_second_signal_after_force_after_stops_at_once(signum):
     child = start()

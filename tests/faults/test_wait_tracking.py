@@ -47,6 +47,7 @@ def test_each_collective_names_itself_while_it_waits(two_fake_ranks):
     assert "waiting in" not in faults.WHERE.describe()
 
 
+@pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 @pytest.mark.parametrize("first", ["comm", "faults"])
 def test_the_tracker_is_registered_whichever_module_comes_first(first):
     """In a fresh process (as each rank is): importing faults is enough."""
