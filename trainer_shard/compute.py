@@ -192,7 +192,7 @@ class _Frame:
 
     def __init__(self):
         self.swapped = []  # (the module holding it, name, the Parameter)
-        self.casts = []  # (storage data pointer, pool key, storage, nbytes)
+        self.casts = []  # (storage data pointer, storage): the pool hands the storage out again once only it holds it
         self.autocast = None  # the entered `torch.autocast(..., enabled=False)`
         self.hooks = False  # saved-tensor hooks pushed
 
@@ -346,13 +346,12 @@ class ComputeCast:
             numel, device = p.numel(), p.device
             if numel == 0:
                 return torch.empty(p.shape, dtype=self.dtype, device=device)
-            key = (numel, self.dtype, device)
-            storage = self._pool.take(*key)
+            storage = self._pool.take(numel, self.dtype, device)
             cast = torch.empty(0, dtype=self.dtype, device=device).set_(storage, 0, p.shape)
             cast.copy_(p)
             ptr = storage.data_ptr()
             self._live[ptr] = p
-            frame.casts.append((ptr, key, storage, storage.nbytes()))
+            frame.casts.append((ptr, storage))
             self._held += storage.nbytes()
             return cast
 
@@ -378,9 +377,9 @@ class ComputeCast:
         if frame.autocast is not None:
             frame.autocast.__exit__(None, None, None)
         casts, frame.casts, frame.swapped = frame.casts, [], []
-        for ptr, key, storage, nbytes in casts:  # the pool hands each out again once nothing else holds it
+        for ptr, storage in casts:
             del self._live[ptr]
-            self._held -= nbytes
+            self._held -= storage.nbytes()
         return None
 
     # -- saved tensors
