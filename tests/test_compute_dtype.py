@@ -357,8 +357,8 @@ def test_tensors_that_are_not_cast_copies_reach_the_outer_hooks(given):
 @pytest.mark.slow  # a process of its own, or seconds of work: make test, not test-fast
 def test_auto_on_a_cpu_without_bf16_kernels_computes_in_fp32():
     """oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA) is a CPU without bf16 matrix kernels as torch
-    sees it (`_is_mkldnn_bf16_supported()` False: products in the reference loop, measured 4.3 s
-    against 8 ms in fp32 for 128x1024x4096 on an AMX Xeon); on any x86 CPU, auto picks fp32 there."""
+    sees it (`_is_mkldnn_bf16_supported()` False: products in the reference loop; the probe's took
+    70-79x fp32's in bench/results/infinity_compute_avx2.md); on any x86 CPU, auto picks fp32 there."""
     import subprocess
     import sys
 

@@ -281,7 +281,7 @@ def _compute_problems(args) -> list:
     value = args.compute_dtype
     if value not in ("auto", *PRECISIONS):
         return [f"--compute_dtype {value!r}: choose auto, {', '.join(PRECISIONS)}"]
-    storage = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    storage = dtypes.precision(args)
     if value in ("bf16", "fp16") and value != storage:
         fix = f"add --{value}" if storage == "fp32" else f"pass --compute_dtype {storage} or fp32"
         return [f"--compute_dtype {value} computes in the 16-bit dtype the parameters are stored in, but they are "

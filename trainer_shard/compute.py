@@ -28,11 +28,10 @@ SLOWER_THAN = 2.0
 """`auto` computes in fp32 where a 16-bit matmul takes more than this many times fp32's."""
 
 PROBE = (64, 256, 256)
-"""m, k, n of the product `auto` times, on one thread. Measured on an AVX2-only AMD EPYC (2 cores,
-loaded): bf16 6.5 ms a product against 0.2 ms in fp32; on an AMX Xeon with oneDNN held to AVX2
-(`ONEDNN_MAX_CPU_ISA=AVX2`: no bf16 kernels) 3.96 ms against 0.05 ms, and with its kernels 0.03 ms
-against 0.05 ms; 128x512x512 took 32-110 ms in bf16 without kernels, too long for a probe that
-every process runs at start."""
+"""m, k, n of the product `auto` times, on one thread: small, because without bf16 kernels the
+bf16 product runs in torch's reference loop (bench/results/infinity_compute_avx2.md records the
+probe of each row: 3.56 and 3.64 ms in bf16 against 0.05 ms in fp32), and every process runs it
+at start."""
 
 _HALF = (torch.bfloat16, torch.float16)
 _NAME = {dtype: name for name, dtype in DTYPES.items()}  # the short names, listed last, win: "bf16"
@@ -48,9 +47,9 @@ def time_matmul(dtype: torch.dtype, device_type: str = "cpu") -> float:
     """Seconds one `PROBE` matmul takes in `dtype` on one core of this process's CPU: the fastest
     of a few after a warm-up (the fastest, because a loaded machine only ever adds time). On one
     thread: a product this small split over two threads of a busy machine waits for the
-    scheduler (measured 4-5 ms in either dtype, against 0.05 ms on one thread), and the kernels'
-    speed per core is what the choice needs. Measured once a process for each (dtype, device
-    type); tests replace this function (monkeypatch) to force either outcome."""
+    scheduler whatever its dtype, and the kernels' speed per core is what the choice needs.
+    Measured once a process for each (dtype, device type); tests replace this function
+    (monkeypatch) to force either outcome."""
     m, k, n = PROBE
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=generator).to(device=device_type, dtype=dtype)

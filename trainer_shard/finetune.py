@@ -19,6 +19,8 @@ from transformers.trainer_utils import get_last_checkpoint
 from .args import ShardedSeq2SeqTrainingArguments
 from .data import TokenizedSeq2SeqDataset, read_jsonl, read_split
 from .errors import ArgumentError
+from .lora import DEFAULTS as LORA
+from .lora import lora_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +41,9 @@ class ModelArguments:
     freeze_embeds: bool = field(default=False, metadata={"help": "Train no token or position embedding."})
     # LoRA through PEFT, named as TRL's ModelConfig names them
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (PEFT) on a frozen base model."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank (with --use_peft)."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha: the adapters' scale is alpha / r."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the adapters' input."})
+    lora_r: int = field(default=LORA["lora_r"], metadata={"help": "LoRA rank (with --use_peft)."})
+    lora_alpha: int = field(default=LORA["lora_alpha"], metadata={"help": "LoRA alpha: the adapters' scale, alpha/r."})
+    lora_dropout: float = field(default=LORA["lora_dropout"], metadata={"help": "Dropout on the adapters' input."})
     lora_target_modules: list[str] | None = field(
         default=None,
         metadata={"help": "Names of the modules given adapters (e.g. q v), or all-linear; default: PEFT's for the "
@@ -252,14 +254,10 @@ def source_prefix(data_args, config) -> str:
     return task_params.get("prefix") or getattr(config, "prefix", None) or ""
 
 
-_LORA_DEFAULTS = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": None,
-                  "lora_modules_to_save": None}  # fmt: skip
-
-
 def check_peft_args(model_args, training_args) -> None:
     """--lora_* flags without --use_peft would do nothing: refused, as are values LoRA cannot take
     and the combinations not built yet, before anything is written."""
-    given = [f"--{k}" for k, v in _LORA_DEFAULTS.items() if getattr(model_args, k) != v]
+    given = [f"--{k}" for k, v in LORA.items() if getattr(model_args, k) != v]
     if not model_args.use_peft:
         if given:
             raise ArgumentError(f"{', '.join(given)} configure LoRA, which only --use_peft turns on; add --use_peft "
@@ -282,15 +280,11 @@ def apply_peft(model, model_args, seed: int):
     Trainer shards it) gets its adapters made in CPU RAM. The adapters are initialised from
     `seed` in module order (A as PEFT does, B zero), so they are the same whichever way the base
     was built."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
-    targets = model_args.lora_target_modules
-    if targets == ["all-linear"]:
-        targets = "all-linear"  # as PEFT takes it (a list is matched by module name)
-    config = LoraConfig(task_type="SEQ_2_SEQ_LM", r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
-                        lora_dropout=model_args.lora_dropout, target_modules=targets, bias="none",
-                        modules_to_save=model_args.lora_modules_to_save)  # fmt: skip
+    config = lora_config(model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
+                         model_args.lora_target_modules, model_args.lora_modules_to_save)  # fmt: skip
     try:
         model = get_peft_model(model, config)
     except ValueError as e:  # a target module that the model does not have

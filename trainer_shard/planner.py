@@ -168,22 +168,25 @@ def meta_model(config, lora: dict | None = None):
         return model
     import warnings
 
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    targets = lora["target_modules"]
-    if targets == ["all-linear"]:
-        targets = "all-linear"  # as PEFT takes it (a list is matched by module name)
-    peft_config = LoraConfig(task_type="SEQ_2_SEQ_LM", r=lora["r"], target_modules=targets, bias="none",
-                             modules_to_save=lora["modules_to_save"])  # fmt: skip
+    from .lora import lora_config
+
+    peft_config = lora_config(lora["r"], target_modules=lora["target_modules"],
+                              modules_to_save=lora["modules_to_save"])  # fmt: skip
     with warnings.catch_warnings():  # PEFT asks transformers about gradient checkpointing by a deprecated name
         warnings.simplefilter("ignore", FutureWarning)
         return get_peft_model(model, peft_config)
 
 
-def lora_settings(r: int = 16, target_modules: list | None = None, modules_to_save: list | None = None) -> dict:
+def lora_settings(r: int | None = None, target_modules: list | None = None,
+                  modules_to_save: list | None = None) -> dict:  # fmt: skip
     """What of finetune.py's LoRA flags the memory depends on (alpha and dropout do not); the
     defaults are its own (r 16, PEFT's target modules for the model type)."""
-    return {"r": r, "target_modules": target_modules, "modules_to_save": modules_to_save}
+    from .lora import DEFAULTS
+
+    return {"r": DEFAULTS["lora_r"] if r is None else r, "target_modules": target_modules,
+            "modules_to_save": modules_to_save}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -741,8 +744,7 @@ def estimate_main(argv=None) -> int:
         return 2
     lora = None
     if args.use_peft:
-        lora = lora_settings(16 if args.lora_r is None else args.lora_r, args.lora_target_modules,
-                             args.lora_modules_to_save)  # fmt: skip
+        lora = lora_settings(args.lora_r, args.lora_target_modules, args.lora_modules_to_save)
         if lora["r"] < 1:
             print(f"trainer-shard estimate: --lora_r {lora['r']}: the rank must be at least 1", file=sys.stderr)
             return 2

@@ -76,7 +76,7 @@ def shard_meta_model(trainer, model) -> "ShardedModel":
                             "offload_param names a device); load the model with from_pretrained otherwise")  # fmt: skip
     cast_for_mixed_precision(model, trainer.args)  # on meta, free: the shards made in the run's dtype
     weights = zero3_weights.checkpoint_weights(folder)
-    if model is not getattr(model, "base_model", model) and hasattr(model, "peft_config"):  # a PeftModel
+    if hasattr(model, "peft_config"):  # a PEFT model: its parameters' names are PEFT's
         weights = PeftNames(weights)
     try:
         sharded = shard_for_stage3(model, trainer.args, trainer.offload_config,
