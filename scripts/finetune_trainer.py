@@ -30,12 +30,13 @@ import torch.distributed as dist
 import transformers
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
 
-from trainer_shard import ShardedSeq2SeqTrainer
+from trainer_shard import ShardedDDPOption, ShardedSeq2SeqTrainer
 from trainer_shard.dtypes import half_dtype, precision
 from trainer_shard.errors import TrainerShardError
 from trainer_shard.faults import EXIT_PEER_FAILED, PeerFailedError, TrainingInterrupted
 from trainer_shard.loading import load_meta, load_pretrained_lean
 from trainer_shard.offload.dispatch import load_dispatched
+from trainer_shard.planner import lora_settings
 from trainer_shard.training import plan
 from trainer_shard.training.guard import accelerate_cpu_launch, launcher_argv
 from trainer_shard.finetune import (
@@ -71,14 +72,19 @@ def main(argv=None, **trainer_kwargs):
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
     )
-    model = load_model(model_args, config, load_dtype(training_args), training_args.offload_config, training_args.offload,
-                       stage=plan.plan(training_args, training_args.offload_config)[0])  # fmt: skip
+    datasets = tokenize_splits(pairs, tokenizer, data_args, source_prefix(data_args, config))
+    stage = plan.plan(training_args, training_args.offload_config)[0]
+    if ShardedDDPOption.AUTO in training_args.sharded_ddp and "train" in datasets:  # chosen before loading
+        lora = lora_settings(model_args.lora_r, model_args.lora_target_modules,
+                             model_args.lora_modules_to_save) if model_args.use_peft else None  # fmt: skip
+        stage = plan.choose_before_loading(training_args, training_args.offload_config, config, datasets["train"], lora)
+    model = load_model(model_args, config, load_dtype(training_args, stage), training_args.offload_config,
+                       training_args.offload, stage=stage)  # fmt: skip
     if model_args.use_peft:
         model = apply_peft(model, model_args, training_args.seed)
     freeze_params(model, encoder=model_args.freeze_encoder, embeds=model_args.freeze_embeds)
     total, trainable = count_parameters(model)
     logger.info("model: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
-    datasets = tokenize_splits(pairs, tokenizer, data_args, source_prefix(data_args, config))
     pad_label = -100 if data_args.ignore_pad_token_for_loss else tokenizer.pad_token_id
     trainer = ShardedSeq2SeqTrainer(
         model=model,
@@ -125,19 +131,17 @@ def main(argv=None, **trainer_kwargs):
 def load_model(model_args, config, dtype, offload_config=None, source="--offload", stage=None):
     """With the --offload config's "inference" section (evaluation and prediction only): built
     empty, placed by a device map over devices, CPU RAM and disk, loaded a shard at a time
-    (trainer_shard.offload.dispatch). With parameter offload (offload_param), built on the meta
-    device: the Trainer reads the weights into the parameter store. 16-bit parameters for a sharded run load a tensor at a time
-    when the checkpoint allows (trainer_shard.loading): no moment with the whole checkpoint
-    mapped next to them."""
+    (trainer_shard.offload.dispatch). At ZeRO-3 (`stage` 3, in any form): built on the meta device
+    (`trainer_shard.loading.load_meta`), the Trainer reading each unit's weights a tensor at a time
+    and keeping each rank's slice, so the whole model never exists on a rank, before training or
+    evaluation alike. 16-bit parameters for the other sharded runs load a tensor at a time when
+    the checkpoint allows (trainer_shard.loading): no moment with the whole checkpoint mapped next
+    to them."""
     if offload_config is not None and offload_config.inference is not None:
         return load_dispatched(AutoModelForSeq2SeqLM, model_args.model_name_or_path, offload_config.inference,
                                config=config, source=str(source))  # fmt: skip
-    if stage == 3 and plan.param_offload_spec(offload_config) is not None:
-        model = load_meta(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
-        if model is not None:  # weights read when the Trainer shards it, into the parameter store
-            return model
-        logger.warning("offload_param: %s is not a local folder of safetensors files; loading it whole with "
-                       "from_pretrained before sharding", model_args.model_name_or_path)  # fmt: skip
+    if stage == 3:  # weights read when the Trainer shards it
+        return load_meta(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype, model_args.cache_dir)
     if dtype in (torch.bfloat16, torch.float16):
         model = load_pretrained_lean(AutoModelForSeq2SeqLM, model_args.model_name_or_path, config, dtype)
         if model is not None:
@@ -147,12 +151,13 @@ def load_model(model_args, config, dtype, offload_config=None, source="--offload
     )
 
 
-def load_dtype(training_args):
+def load_dtype(training_args, stage=None):
     """Sharded or offloaded mixed precision keeps 16-bit parameters (fp32 masters live in the
-    optimizer's shards): load them in 16 bits, never holding an fp32 copy of a big model."""
-    explicit = training_args.sharding_enabled and "auto" not in training_args.sharded_ddp  # auto may choose DDP
+    optimizer's shards): load them in 16 bits, never holding an fp32 copy of a big model.
+    `--sharded_ddp auto`: once it chose a sharded `stage` (it may choose DDP)."""
+    sharded = training_args.sharding_enabled and ("auto" not in training_args.sharded_ddp or stage is not None)
     half = half_dtype(precision(training_args))
-    return half if explicit and half is not None else "auto"
+    return half if sharded and half is not None else "auto"
 
 
 def setup_logging(training_args) -> None:

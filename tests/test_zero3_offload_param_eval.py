@@ -3,7 +3,8 @@
 on the meta device): on 2 ranks, evaluating a trained model without training it further, the
 same eval loss, metrics and generations as the unsharded Trainer gave for that model on one
 process. (The engine alone, on one process:
-tests/test_zero3_offload_param.py::test_eval_and_generate_stream_from_disk.)"""
+tests/test_zero3_offload_param.py::test_eval_and_generate_stream_from_disk.) And without offload:
+each rank reads only its slice of the checkpoint for evaluation alone (issue 35)."""
 
 import json
 
@@ -69,3 +70,29 @@ def test_eval_and_predict_with_generate_match_the_plain_trainer(plain, tiny_data
             assert held["on_disk"] > 0 and held["shards"] == held["persistent"] == held["gathered"] == 0, held
             assert loop["read_bytes"] >= held["on_disk"], (rank, split, loop)  # each unit read at least once
     assert files_under(tmp_path / "store") == [] and not (tmp_path / "store").exists()
+
+
+def test_evaluation_alone_under_zero_dp_3_reads_each_ranks_slice(plain, tiny_data, tmp_path):
+    """Issue 35: `--sharded_ddp "zero_dp_3 auto_wrap"` without offload, evaluating and predicting
+    only: the model is built on the meta device and each rank keeps its slice of the checkpoint
+    (was: `from_pretrained` on every rank, the whole model held through both loops, since only
+    training sharded it); the plain Trainer's losses, metrics and generations."""
+    out = tmp_path / "out"
+    config = tmp_path / "zero3.json"  # every parameter sharded: the tiny model's are below the default threshold
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    flags = ["--model_name_or_path", plain, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS, *EVAL,
+             "--sharded_ddp", "zero_dp_3 auto_wrap", "--offload", config, "--log_level", "info"]  # fmt: skip
+    proc = run_script(flags, nproc=2, script=WATCH)
+    assert_ok(proc)
+    assert "built on the meta device; its weights were read from" in proc.stdout + proc.stderr  # never whole
+
+    want, got = (json.loads((d / "all_results.json").read_text()) for d in (plain, out))
+    assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}
+    generations, reference = ((d / "test_generations.txt").read_text(encoding="utf-8").splitlines()
+                              for d in (out, plain))  # fmt: skip
+    assert generations == reference and len(set(generations)) > 5
+    for rank in (0, 1):
+        for split, loop in json.loads((out / f"store{rank}.json").read_text()).items():
+            held, whole = loop["held"], loop["model_bytes"]
+            assert held["persistent"] == held["gathered"] == held["on_disk"] == 0, (rank, split, held)
+            assert whole / 2 <= held["shards"] <= whole / 2 + 1024, (rank, split, held, whole)  # half, padded

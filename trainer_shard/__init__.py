@@ -2,6 +2,7 @@
 
 from .args import ShardedDDPOption, ShardedSeq2SeqTrainingArguments, ShardedTrainingArguments
 from .errors import ArgumentError, ConfigError, DataError, DistributedSetupError, ShardingError, TrainerShardError
+from .loading import load_meta
 from .offload import OffloadSpec, OffloadStoreError
 from .sharding import ShardedOptimizer
 from .trainer import ShardedSeq2SeqTrainer, ShardedTrainer, ShardedTrainerMixin
@@ -24,4 +25,5 @@ __all__ = [
     "ShardedTrainingArguments",
     "ShardingError",
     "TrainerShardError",
+    "load_meta",
 ]

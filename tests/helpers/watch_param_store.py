@@ -3,9 +3,10 @@
 
     {"val": {"folder": ..., "files": [...], "read_bytes": N, "held": {...}}, "test": {...}}
 
-`files`: the store's files as the loop began; `read_bytes`: what the loop read from them;
-`held`: `ShardedModel.held_parameter_bytes()` as it ended. Shows that evaluation and generate()
-read the parameters from disk, and left nothing gathered.
+`files`: the store's files as the loop began; `read_bytes`: what the loop read from them (both
+absent without a parameter store); `held`: `ShardedModel.held_parameter_bytes()` as it ended;
+`model_bytes`: the whole model's parameters. Shows that evaluation and generate() read the
+parameters from disk (or from this rank's shards), and left nothing gathered.
 """
 
 import json
@@ -14,6 +15,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from trainer_shard.sharding.zero3 import full_numel
 from trainer_shard.trainer import ShardedTrainerMixin
 
 seen = {}
@@ -21,12 +23,16 @@ evaluation_loop = ShardedTrainerMixin.evaluation_loop
 
 
 def watched(self, *args, metric_key_prefix="eval", **kwargs):
-    disk = self.sharded_model.store.disk
-    files, before = sorted(p.name for p in disk.folder.iterdir()), disk.stats["read_bytes"]
+    sharded = self.sharded_model
+    disk = sharded.store.disk if sharded.store is not None else None
+    if disk is not None:
+        files, before = sorted(p.name for p in disk.folder.iterdir()), disk.stats["read_bytes"]
     output = evaluation_loop(self, *args, metric_key_prefix=metric_key_prefix, **kwargs)
-    seen[metric_key_prefix] = {"folder": str(disk.folder), "files": files,
-                               "read_bytes": disk.stats["read_bytes"] - before,
-                               "held": self.sharded_model.held_parameter_bytes()}  # fmt: skip
+    seen[metric_key_prefix] = {"held": sharded.held_parameter_bytes(),
+                               "model_bytes": sum(full_numel(p) * p.element_size() for p in sharded.model.parameters())}
+    if disk is not None:
+        seen[metric_key_prefix].update(folder=str(disk.folder), files=files,
+                                       read_bytes=disk.stats["read_bytes"] - before)  # fmt: skip
     return output
 
 

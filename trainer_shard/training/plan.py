@@ -3,6 +3,7 @@
     plan_trainer(trainer)                             # all of the below for a Trainer, at its start
     stage, spec = plan(args, config)                  # --sharded_ddp and the --offload config
     stage, spec, params = choose_strategy(args, model, dataset, config)   # --sharded_ddp auto; collective
+    stage = choose_before_loading(args, config, model_config, dataset)   # the same, from the config alone
     states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
     params = param_offload_spec(config)               # stage 3: offload_param's ParamOffloadSpec, or None
     needed = param_store_bytes(params, model, world_size, args, config)  # its disk files, this rank
@@ -60,7 +61,8 @@ def plan_trainer(trainer) -> None:
     params = param_offload_spec(config) if stage == 3 else None  # ZeRO-3's parameter store
     model = trainer.accelerator.unwrap_model(trainer.model)
     if ShardedDDPOption.AUTO in (getattr(args, "sharded_ddp", None) or []) and trainer.train_dataset is not None:
-        stage, spec, params = choose_strategy(args, model, trainer.train_dataset, config)  # nothing to choose for eval
+        chosen = getattr(args, CHOSEN, None)  # chosen before the model was loaded: taken as it is
+        stage, spec, params = chosen or choose_strategy(args, model, trainer.train_dataset, config)  # none for eval
     trainer._sharding_stage, trainer.offload_spec, trainer.param_offload_spec = stage, spec, params
     config_optimizer = config_apply.optimizer_cls_and_kwargs(config, args)
     if config_optimizer is not None:
@@ -139,6 +141,23 @@ def auto_param_offload(store: str, model) -> ParamOffloadSpec:
     total = sum(full_numel(p) for p in model.parameters())
     return ParamOffloadSpec("nvme", nvme_path=store, buffer_size=max(ParamOffloadSpec.buffer_size, total),
                             **planner.AUTO_PARAM_OFFLOAD)  # fmt: skip
+
+
+CHOSEN = "_trainer_shard_chosen_strategy"
+"""The attribute of a run's TrainingArguments holding what `choose_before_loading` chose."""
+
+
+def choose_before_loading(args, config, model_config, train_dataset, lora: dict | None = None):
+    """--sharded_ddp auto before any weight is loaded: `choose_strategy` on the model built on the
+    meta device from `model_config` (with `lora`, `planner.lora_settings`, LoRA applied as
+    finetune.py applies it), so the load can be the one the choice needs (ZeRO-3: each rank reads
+    its slice, `loading.load_meta`). The choice is kept on `args` (`CHOSEN`), where the Trainer
+    takes it rather than choosing again. Returns the chosen stage (None: DDP). Collective."""
+    from .. import planner
+
+    chosen = choose_strategy(args, planner.meta_model(model_config, lora), train_dataset, config)
+    setattr(args, CHOSEN, chosen)
+    return chosen[0]
 
 
 def _plan_on_rank_zero(args, model, train_dataset, budget: int) -> tuple:

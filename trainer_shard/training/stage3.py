@@ -2,7 +2,7 @@
 or at the Trainer's start when it was built on the meta device.
 
     sharded = shard_for_stage3(model, args, config, decay_names, param_offload=params)
-    sharded = shard_meta_model(trainer, model)    # a `loading.load_meta` model, read from its checkpoint
+    sharded = shard_meta_model(trainer, model)    # a `loading.load_meta` model, each rank reading its slice
     on_meta(model)                                # such a model, not sharded yet
 """
 
@@ -64,16 +64,17 @@ def shard_for_stage3(model, args, config, decay_names, weights=None, param_offlo
 
 
 def shard_meta_model(trainer, model) -> "ShardedModel":
-    """A model built on the meta device (`loading.load_meta`, for parameter offload: its weights
-    are never whole in memory) sharded at the Trainer's start, its weights read from its
-    checkpoint a tensor at a time straight into the parameter store, so that evaluation before
-    training runs it too; `create_optimizer` then finds it sharded, in the dtype --bf16/--fp16
+    """A model built on the meta device (`loading.load_meta`: its weights are never whole in
+    memory) sharded at the Trainer's start, its weights read from its checkpoint a tensor at a
+    time, each rank keeping its slice (in RAM or the parameter store), so that evaluation and
+    prediction run sharded too, before training or without it; `create_optimizer` then finds it sharded, in the dtype --bf16/--fp16
     ask for (a sharded model's dtype no longer changes)."""
     folder = getattr(model, META_WEIGHTS)
     if trainer.sharding_stage != 3:
-        raise ArgumentError("the model is on the meta device (no weights): that is for ZeRO-3 with parameter "
-                            "offload (--sharded_ddp \"zero_dp_3 offload\" with an --offload config whose "
-                            "offload_param names a device); load the model with from_pretrained otherwise")  # fmt: skip
+        raise ArgumentError("the model is on the meta device (no weights, trainer_shard.load_meta): that is for "
+                            "ZeRO-3, which reads each rank's slice of its weights (--sharded_ddp zero_dp_3, or an "
+                            "--offload config at stage 3); load the model with from_pretrained for other "
+                            "strategies")  # fmt: skip
     cast_for_mixed_precision(model, trainer.args)  # on meta, free: the shards made in the run's dtype
     weights = zero3_weights.checkpoint_weights(folder)
     if hasattr(model, "peft_config"):  # a PEFT model: its parameters' names are PEFT's
