@@ -124,6 +124,90 @@ def test_peft_zero3_bytes_count_no_gradient_or_state_for_frozen_elements():
     assert disk["grad_shards"] == 2 * 20 and disk["optimizer"] == 4 * 3 * (20 + 2) and disk["reduced"] == 2 * 2 * 20
 
 
+def _load_config():
+    """A small T5 with both sides of the persistence threshold: q, k, v, o (128 x 128), layer norms
+    and relative attention bias kept whole; wi, wo (128 x 1000) and the tied embedding (3001 x 128:
+    the largest tensor, and the root unit the largest unit, as in T5's own sizes) sharded; 3 divides
+    neither a block's sharded elements nor the embedding's."""
+    from transformers import T5Config
+
+    return T5Config(vocab_size=3001, d_model=128, d_ff=1000, num_layers=2, num_decoder_layers=3, num_heads=4,
+                    d_kv=32, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)  # fmt: skip
+
+
+def _load_arithmetic(config, world: int, w: int) -> dict:
+    """The load peak by hand, from the model's own parameters (built by transformers on the meta
+    device, grouped by the `auto_wrap_units` block holding them, the rest the root's): ZeRO-3 keeps
+    its shards (S/N of the padded flat buffers), the persistent K and one whole unit (U); every
+    strategy reads one tensor (T) in fp32."""
+    import torch
+    import transformers
+
+    from trainer_shard.sharding.zero3 import PERSISTENCE_THRESHOLD, auto_wrap_units
+
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    blocks, _ = auto_wrap_units(model)
+    params = {id(p): p for p in model.parameters()}  # the tied embedding once
+    unit_of = {id(p): i for i, block in enumerate(blocks) for p in block.parameters()}
+    sharded, K = [0] * (len(blocks) + 1), 0  # the root last
+    for key, p in params.items():
+        if p.numel() <= PERSISTENCE_THRESHOLD:
+            K += p.numel()
+        else:
+            sharded[unit_of.get(key, len(blocks))] += p.numel()
+    padded = [-(-n // world) * world for n in sharded]
+    A, S, U = sum(p.numel() for p in params.values()), sum(padded), max(padded)
+    T = max(p.numel() for p in params.values())
+    assert T == sharded[-1] == 3001 * 128 > max(sharded[:-1]) and 0 < K < A and all(n % 3 for n in sharded)
+    return {"ddp": 4 * A + 4 * T, "zero_dp_2": w * A + 4 * T, "zero_dp_3": w * S // world + w * K + w * U + 4 * T,
+            "disk_params": w * K + w * U + 4 * T, "A": A, "T": T}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_load_bytes_are_the_arithmetic_of_the_models_parameters(world, precision):
+    config = _load_config()
+    expected = _load_arithmetic(config, world, 2 if precision == "bf16" else 4)
+    A, T, units = expected["A"], expected["T"], planner.zero3_units(config, world)
+    assert planner.largest_tensor(planner.meta_model(config)) == T
+    for strategy, offload in planner.STRATEGIES:
+        key = "zero_dp_2" if strategy == "simple" else strategy  # simple loads as zero_dp_2 does
+        key = "disk_params" if offload == planner.PARAM_OFFLOAD else key
+        loaded = planner.load_bytes(strategy, offload, A, world, precision, units, T)
+        assert loaded == expected[key], (strategy, offload)
+    runtime = 123_456  # the process: in the load peak as in the training estimate
+    probe = planner.Probe(runtime=runtime, act_base=0, act_per_sample=0)
+    for device in ("cpu", "cuda"):  # the load happens in CPU RAM either way
+        rows = planner.estimate(config, world_size=world, precision=precision, batch_size=2, source_length=8,
+                                target_length=8, device=device, probes={"ddp": probe, "sharded": probe})  # fmt: skip
+        loads = {(r["strategy"], r["offload"]): (r["load_per_rank"], r["load_per_node"]) for r in rows}
+        zero3 = runtime + expected["zero_dp_3"]
+        assert loads[("zero_dp_3", "cpu")] == (zero3, world * zero3)
+        assert loads[("ddp", "none")][0] == runtime + expected["ddp"]
+        assert loads[("zero_dp_3", "disk_params")][0] == runtime + expected["disk_params"]
+    with pytest.raises(ValueError, match=f"zero_dp_3 needs its units for {world + 1} ranks"):
+        planner.load_bytes("zero_dp_3", None, A, world + 1, precision, units, T)
+
+
+def test_zero3_loads_less_than_the_whole_model():
+    """t5-large in bf16: zero_dp_2 loads the whole model on every rank (w A), zero_dp_3 its shards
+    and one unit: below zero_dp_2's at 2 ranks, a fraction of it at 8."""
+    config = planner.model_config("t5-large")
+    model = planner.meta_model(config)
+    A, T = planner.model_counts(model)[0], planner.largest_tensor(model)
+    load = {}
+    for world in (2, 8):
+        units = planner.model_units(model, world)
+        load[world] = {strategy: planner.load_bytes(strategy, offload, A, world, "bf16", units, T)
+                       for strategy, offload in (("ddp", None), ("zero_dp_2", None), ("zero_dp_3", None))}  # fmt: skip
+        assert load[world]["zero_dp_2"] == 2 * A + 4 * T < load[world]["ddp"] == 4 * A + 4 * T
+    assert load[2]["zero_dp_3"] < load[2]["zero_dp_2"] - 0.5 * GiB  # about w A / 2 less
+    assert load[8]["zero_dp_3"] < load[8]["zero_dp_2"] / 3
+    on_disk = planner.load_bytes("zero_dp_3", planner.PARAM_OFFLOAD, A, 8, "bf16", planner.model_units(model, 8), T)
+    assert on_disk == load[8]["zero_dp_3"] - 2 * planner.model_units(model, 8).shard  # its shards written, not kept
+
+
 def _held_bytes(rank, world, nvme, out):
     """A bf16 model stepped once by ShardedOptimizer (ZeRO-2) without offload and with CPU and disk
     offload, on 2 gloo ranks: the bytes each rank really holds for the optimizer, measured on the
@@ -297,6 +381,32 @@ def test_auto_takes_the_least_costly_strategy_that_fits():
     assert planner.choose(big, big_rank[("zero_dp_3", "none")])["strategy"] == "zero_dp_3"
 
 
+def _rows_by_hand(device: str = "cpu") -> list:
+    """Rows of every strategy: ddp's training estimate 1 GiB, its load peak 3 GiB; the others 2 and 1."""
+    return [{"strategy": s, "offload": o or "none", "device": device, "per_rank": (1 if s == "ddp" else 2) * GiB,
+             "load_per_rank": (3 if s == "ddp" else 1) * GiB} for s, o in planner.STRATEGIES]  # fmt: skip
+
+
+def test_auto_refuses_a_strategy_whose_load_peak_does_not_fit():
+    rows = _rows_by_hand()
+    choice = planner.choose(rows, 2 * GiB)  # ddp's training fits, its loading does not
+    assert (choice["strategy"], choice["offload"]) == ("simple", "none")
+    assert "ddp 3.00 (loading); simple 2.00;" in planner.explain(rows, choice, 2 * GiB)
+    assert planner.choose(rows, 3 * GiB)["strategy"] == "ddp"
+    assert planner.choose(rows, 2 * GiB - 1) is None
+    assert planner.choose(_rows_by_hand("cuda"), 2 * GiB)["strategy"] == "ddp"  # on a GPU: the training peak
+    # estimate's fits: on a GPU the process (in the load peak, not in per rank) is no part of the budget
+    probe = planner.Probe(runtime=GiB // 4, act_base=0, act_per_sample=0)
+    for device in ("cpu", "cuda"):
+        kwargs = dict(world_size=2, precision="bf16", batch_size=2, source_length=8, target_length=8, device=device,
+                      probes={"ddp": probe, "sharded": probe})  # fmt: skip
+        rows = planner.estimate(_load_config(), **kwargs)
+        budget = max(r["per_rank"] for r in rows if r["offload"] != "disk")  # every training estimate but disk's fits
+        assert (device == "cuda") == all(r["load_per_rank"] > budget for r in rows)
+        for row in planner.estimate(_load_config(), max_memory=budget, **kwargs):
+            assert row["fits"] == (row["per_rank"] <= budget and (device == "cuda" or row["load_per_rank"] <= budget))
+
+
 def test_auto_hands_every_choice_on_as_a_stage(monkeypatch, tmp_path):
     """`choose_strategy` turns each (strategy, offload) auto may choose into the stage and store."""
     from types import SimpleNamespace
@@ -345,8 +455,8 @@ def test_estimate_command_prints_every_strategy(tiny_model):
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "2,851,598,336 parameters" in proc.stdout
-    assert proc.stdout.count("| zero_dp_2 |") == 3 and "| ddp | none |" in proc.stdout
-    assert proc.stdout.count("| zero_dp_3 |") == 4 and "zero_dp_3 (auto_wrap): one unit per T5Block" in proc.stdout
+    assert proc.stdout.count("| zero_dp_2 |") == 3 + 1 and "| ddp | none |" in proc.stdout  # + the load rows' column
+    assert proc.stdout.count("| zero_dp_3 |") == 4 + 1 and "zero_dp_3 (auto_wrap): one unit per T5Block" in proc.stdout
     assert "Compute dtype " in proc.stdout  # auto: what it measured and chose on this CPU
     sizes = {}
     for compute in ("bf16", "fp32"):  # forced: the fp32 copies of a layer counted for the sharded rows only

@@ -7,17 +7,17 @@ Parameter, gradient and optimizer bytes are exact arithmetic on the real paramet
 model is built on the meta device: no weights needed) and on what each strategy keeps, as
 trainer_shard implements it:
 
-| strategy | parameters | gradients | optimizer (AdamW: master + 2 moments, fp32) |
-|---|---|---|---|
-| DDP (Trainer) | 4 A (fp32; `--bf16` autocasts fp32 weights) | 4 P `.grad` + 4 P DDP buckets | 8 P |
-| `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N (w = 4: none, views of `.grad`) | (4 if w = 2) P/N master + 8 P/N |
-| `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` |
-| `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K |
-| + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk |
-| `zero_dp_3` + offload `disk_params` | on disk (w S/N); `buffer_count` units gathered + w K | on disk (w S/N) + 3 unit buckets + 4 units' slices | on disk, K/N's too |
+| strategy | parameters | gradients | optimizer (AdamW: master + 2 moments, fp32) | loading (before training) |
+|---|---|---|---|---|
+| DDP (Trainer) | 4 A (fp32; `--bf16` autocasts fp32 weights) | 4 P `.grad` + 4 P DDP buckets | 8 P | 4 A + 4 T |
+| `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N (w = 4: none, views of `.grad`) | (4 if w = 2) P/N master + 8 P/N | w A + 4 T |
+| `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` | w A + 4 T |
+| `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K | w S/N + w K + w U + 4 T |
+| + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk | as without |
+| `zero_dp_3` + offload `disk_params` | on disk (w S/N); `buffer_count` units gathered + w K | on disk (w S/N) + 3 unit buckets + 4 units' slices | on disk, K/N's too | w K + w U + 4 T |
 
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
-fp32 masters in the shards) else 4.
+fp32 masters in the shards) else 4; T = the largest parameter, U = the largest unit (see below).
 
 LoRA (`--use_peft`, `--lora_r`, `--lora_target_modules`, `--lora_modules_to_save`: finetune.py's
 flags and defaults, r 16 and PEFT's target modules for the model type): the model counted is what
@@ -48,9 +48,19 @@ elements: layer norms, biases; AdamW state in their dtype); "gathered" is the ga
 (`GatherPool`: after the first step it keeps, for each buffer size, as many buffers as are ever
 gathered at once: the root unit, T5's shared embedding = lm_head, gathered through forward and
 backward, with the running unit and the prefetched next one), "unit buckets" the full gradients
-of up to 3 units being reduce-scattered (`GradReducer`: one filling, 2 in flight). Not counted:
-each rank builds or loads the whole model before sharding it (4 A in fp32), below the training
-peak at 2 ranks, not necessarily at 4 or more.
+of up to 3 units being reduce-scattered (`GradReducer`: one filling, 2 in flight).
+
+Loading (`load_bytes`: the load peak, in CPU RAM, before training starts). ZeRO-3 builds the model
+on the meta device and fills each unit's flat buffer from the checkpoint a tensor at a time, keeps
+this rank's slice of it (a clone; with `disk_params` written to the parameter store instead) and
+frees the buffer before the next unit ([Note: meta-device model] in sharding/zero3): at the end
+the rank holds its shards (w S/N), the persistent parameters read whole (w K) and the last unit's
+buffer, counted as the largest unit's, the root included (w U). Every other strategy loads the
+whole model on every rank: DDP in fp32 (4 A), the sharded ones in the parameters' dtype (w A).
+Each also holds the tensor being read (4 T, counted fp32). `trainer-shard estimate` prints the
+load peak, that plus the process (the probe's runtime), in rows of its own, per rank and times N
+per node; on a CPU (one memory) a strategy fits only if both its training and load peaks do
+(`budgeted_bytes`), on a GPU if its training peak does.
 
 `disk_params` (ZeRO-Infinity's layout: `offload_param` and `offload_optimizer` on nvme, as
 `--sharded_ddp auto` runs it, `AUTO_PARAM_OFFLOAD`: no parameter kept in RAM, `max_in_cpu` 0):
@@ -396,6 +406,34 @@ def zero3_param_offload_parts(units: Units | None, world: int, w: int,
     }
 
 
+def load_bytes(strategy: str, offload, total: int, world: int, precision: str, units: Units | None = None,
+               largest_tensor: int = 0) -> int:  # fmt: skip
+    """Bytes a rank holds at the top of loading the model, before training (the process aside):
+    ddp 4 A (the model whole in fp32), simple and zero_dp_2 w A (in the precision's dtype);
+    zero_dp_3 ([Note: meta-device model] in sharding/zero3) its shards so far, at the end all of
+    them (w S/N; none with `disk_params`, which writes each to the parameter store), the persistent
+    parameters read whole (w K), and the unit being filled: its whole flat buffer (w bytes an
+    element, the largest unit, the root included). Every strategy besides: one tensor being read
+    from the checkpoint, `largest_tensor` elements counted in fp32. Pure."""
+    A, N, read = total, world, 4 * largest_tensor
+    if strategy == "ddp":
+        return 4 * A + read
+    w = 2 if precision in ("bf16", "fp16") else 4
+    if strategy != "zero_dp_3":
+        return w * A + read
+    if units is None or units.world_size != N:
+        raise ValueError(f"zero_dp_3 needs its units for {N} ranks: zero3_units(config, {N})")
+    shards = 0 if offload == PARAM_OFFLOAD else w * units.shard
+    return shards + w * units.persistent + w * max((*units.inner, units.root)) + read
+
+
+def largest_tensor(model) -> int:
+    """Elements of the model's largest parameter (a tensor read whole from a checkpoint)."""
+    from .sharding.zero3 import full_numel
+
+    return max(map(full_numel, model.parameters()), default=0)
+
+
 def disk_traffic(strategy: str, offload, trainable: int, world: int, precision: str,
                  units: Units | None = None) -> dict:  # fmt: skip
     """{"read", "written"}: bytes a rank's disk stores read and write in one training step (one
@@ -437,8 +475,9 @@ def compute_buffer_bytes(strategy: str, precision: str, compute: str | None, uni
 def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
              device: str = "cpu", probes: dict | None = None, max_memory: int | None = None,
              compute: str | None = None, model=None) -> list:  # fmt: skip
-    """One row per strategy: bytes per rank on the device, CPU RAM per node, disk per node, the
-    bytes the node's disk reads and writes a step (`disk_traffic`), fits.
+    """One row per strategy: bytes per rank on the device, CPU RAM per node, the load peak per rank
+    and per node (`load_bytes` and the process, in CPU RAM), disk per node, the bytes the node's
+    disk reads and writes a step (`disk_traffic`), fits (`budgeted_bytes`).
     `probes`: {"ddp": Probe, "sharded": Probe} (see `probe_modes`); None: on the meta device.
     `compute`: the compute dtype's name ("fp32" over 16-bit `precision` adds the compute buffers,
     `compute_buffer_bytes`); None: the precision's own. `model`: the model to count, its
@@ -447,6 +486,7 @@ def estimate(config, *, world_size: int, precision: str, batch_size: int, source
     model = meta_model(config) if model is None else model
     total, trainable = model_counts(model)
     units = model_units(model, world_size)
+    read = largest_tensor(model)
     if probes is None:
         probes = dict.fromkeys(("ddp", "sharded"), meta_probe(config, source_length, target_length))
     rows = []
@@ -461,32 +501,48 @@ def estimate(config, *, world_size: int, precision: str, batch_size: int, source
         else:
             per_rank = parts["device"] + activations
             node = world_size * (probe.runtime + parts["cpu"])
+        load = probe.runtime + load_bytes(strategy, offload, total, world_size, precision, units, read)
         traffic = disk_traffic(strategy, offload, trainable, world_size, precision, units)
-        rows.append({"strategy": strategy, "offload": offload or "none", "per_rank": per_rank, "cpu_per_node": node,
-                     "disk_per_node": world_size * parts["disk"], "disk_read_per_node": world_size * traffic["read"],
-                     "disk_written_per_node": world_size * traffic["written"],
-                     "fits": None if max_memory is None else per_rank <= max_memory})  # fmt: skip
+        row = {"strategy": strategy, "offload": offload or "none", "device": device, "per_rank": per_rank,
+               "cpu_per_node": node, "load_per_rank": load, "load_per_node": world_size * load,
+               "disk_per_node": world_size * parts["disk"], "disk_read_per_node": world_size * traffic["read"],
+               "disk_written_per_node": world_size * traffic["written"]}  # fmt: skip
+        rows.append({**row, "fits": None if max_memory is None else budgeted_bytes(row) <= max_memory})
     return rows
+
+
+def budgeted_bytes(row: dict) -> int:
+    """What of a row must fit the per-rank budget: on a CPU (one memory) the larger of the training
+    and load peaks; on a GPU the training peak (the model loads in CPU RAM)."""
+    return max(row["per_rank"], row["load_per_rank"]) if row["device"] == "cpu" else row["per_rank"]
 
 
 # ---- --sharded_ddp auto --------------------------------------------------------------------------
 
 
 def choose(rows: list, budget: int):
-    """The first strategy of `AUTO_ORDER` whose estimate fits `budget` per rank, or None."""
+    """The first strategy of `AUTO_ORDER` whose estimate fits `budget` per rank (`budgeted_bytes`:
+    on a CPU its load peak too), or None."""
     by_name = {(r["strategy"], r["offload"]): r for r in rows}
     for strategy, offload in AUTO_ORDER:
         row = by_name[(strategy, offload or "none")]
-        if row["per_rank"] <= budget:
+        if budgeted_bytes(row) <= budget:
             return row
     return None
 
 
 def explain(rows: list, choice, budget: int) -> str:
+    """What `choose` compared: each row's `budgeted_bytes`, marked where the load peak is the larger."""
     gib = 2**30
-    tried = "; ".join(f"{s}{'' if o is None else ' + ' + o + ' offload'} {r['per_rank'] / gib:.2f}"
-                      for (s, o), r in ((k, next(x for x in rows if (x['strategy'], x['offload']) == (k[0], k[1] or 'none')))
-                                        for k in AUTO_ORDER))  # fmt: skip
+    by_name = {(r["strategy"], r["offload"]): r for r in rows}
+
+    def compared(strategy, offload):
+        row = by_name[(strategy, offload or "none")]
+        name = strategy if offload is None else f"{strategy} + {offload} offload"
+        loading = " (loading)" if budgeted_bytes(row) > row["per_rank"] else ""
+        return f"{name} {budgeted_bytes(row) / gib:.2f}{loading}"
+
+    tried = "; ".join(compared(s, o) for s, o in AUTO_ORDER)
     if choice is None:
         return f"nothing fits {budget / gib:.2f} GiB per rank (GiB per rank: {tried})"
     name = choice["strategy"] + ("" if choice["offload"] == "none" else f" + {choice['offload']} offload")
@@ -670,11 +726,28 @@ def format_table(rows: list, max_memory: int | None, units: Units | None = None)
                    if r["disk_read_per_node"] or r["disk_written_per_node"] else "-")  # fmt: skip
         lines.append(f"| {r['strategy']} | {r['offload']} | {r['per_rank'] / gib:.2f} | {r['cpu_per_node'] / gib:.2f} | "
                      f"{r['disk_per_node'] / gib:.2f} | {traffic} | {fits} |")  # fmt: skip
+    lines += ["", *load_table(rows)]
     if max_memory is not None:
-        lines.append(f"\nfits: per rank at most {max_memory / gib:.2f} GiB")
+        on_cpu = all(r["device"] == "cpu" for r in rows)
+        lines.append(f"\nfits: per rank at most {max_memory / gib:.2f} GiB"
+                     + (", training and loading alike (one memory)" if on_cpu else ", training"))  # fmt: skip
     if units is not None:
         lines.append(f"\n{zero3_note(units)}")
     return "\n".join(lines)
+
+
+def load_table(rows: list) -> list:
+    """The load peaks (`load_bytes` and the process, CPU RAM) as rows of their own, per rank and per
+    node: a column per strategy (its offload after a "+")."""
+    gib = 2**30
+    names = [r["strategy"] + ("" if r["offload"] == "none" else f" + {r['offload']}") for r in rows]
+
+    def line(cells):
+        return "| " + " | ".join(cells) + " |"
+
+    return [line(["load peak, before training (GiB)", *names]), line(["---"] * (len(rows) + 1)),
+            line(["per rank", *(f"{r['load_per_rank'] / gib:.2f}" for r in rows)]),
+            line(["per node", *(f"{r['load_per_node'] / gib:.2f}" for r in rows)])]  # fmt: skip
 
 
 def zero3_note(units: Units) -> str:
