@@ -160,3 +160,27 @@ def test_sharded_ddp_auto_chooses_before_loading_and_loads_as_its_choice_needs(t
         assert results["train_loss"] == results["train_loss"] > 0
     finally:
         trainer.sharded_model.close()
+
+
+def test_a_bf16_model_reads_an_fp32_checkpoint_in_chunks_equal_to_from_pretrained(tiny_model, monkeypatch):
+    """Each rank's slice is read straight from the file into its shard; where the dtypes differ,
+    through one scratch buffer a chunk at a time (made tiny here, so chunks end inside tensors):
+    the weights are from_pretrained's, cast the same way."""
+    from trainer_shard.sharding import shard_model, zero3_weights
+    from trainer_shard.sharding.zero3 import auto_wrap_units
+
+    monkeypatch.setattr(zero3_weights, "SCRATCH_NUMEL", 1000)
+    model = load_meta(AutoModelForSeq2SeqLM, tiny_model, dtype=torch.bfloat16)
+    weights = zero3_weights.checkpoint_weights(tiny_model)
+    try:
+        sharded = shard_model(model, units=auto_wrap_units(model)[0], weights=weights, persistence_threshold=0)
+    finally:
+        weights.close()
+    reference = AutoModelForSeq2SeqLM.from_pretrained(tiny_model, dtype=torch.bfloat16).state_dict()
+    assert sharded.held_parameter_bytes()["grad_shards"] == 0  # none before a backward or an optimizer
+    with sharded.gathered():
+        got = model.state_dict()
+        assert got.keys() == reference.keys()
+        for name, value in reference.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value), name
+    sharded.close()

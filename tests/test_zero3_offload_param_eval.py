@@ -76,7 +76,8 @@ def test_evaluation_alone_under_zero_dp_3_reads_each_ranks_slice(plain, tiny_dat
     """Issue 35: `--sharded_ddp "zero_dp_3 auto_wrap"` without offload, evaluating and predicting
     only: the model is built on the meta device and each rank keeps its slice of the checkpoint
     (was: `from_pretrained` on every rank, the whole model held through both loops, since only
-    training sharded it); the plain Trainer's losses, metrics and generations."""
+    training sharded it), and no gradient shard (made by the optimizer or the first backward);
+    the plain Trainer's losses, metrics and generations."""
     out = tmp_path / "out"
     config = tmp_path / "zero3.json"  # every parameter sharded: the tiny model's are below the default threshold
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
@@ -94,5 +95,5 @@ def test_evaluation_alone_under_zero_dp_3_reads_each_ranks_slice(plain, tiny_dat
     for rank in (0, 1):
         for split, loop in json.loads((out / f"store{rank}.json").read_text()).items():
             held, whole = loop["held"], loop["model_bytes"]
-            assert held["persistent"] == held["gathered"] == held["on_disk"] == 0, (rank, split, held)
+            assert held["persistent"] == held["gathered"] == held["on_disk"] == held["grad_shards"] == 0, (rank, split, held)
             assert whole / 2 <= held["shards"] <= whole / 2 + 1024, (rank, split, held, whole)  # half, padded

@@ -92,6 +92,9 @@ def save_weights(sharded, output_dir, max_shard_size: int, write: bool) -> dict 
     return files
 
 
+SCRATCH_NUMEL = 1 << 22  # elements a conversion chunk (16 MiB in fp32)
+
+
 class _Weights:
     """The tensors of a saved model's safetensors files, read one at a time (a Mapping as
     `ShardedModel.load_full_state_dict` wants it)."""
@@ -103,6 +106,7 @@ class _Weights:
                                   f"{': ' + '; '.join(problems) if problems else ''}")  # fmt: skip
         self.files = [SafetensorsFile(Path(folder) / name) for name in names]
         self.where = {key: f for f in self.files for key in f.keys()}
+        self._scratch = None  # `read_into`'s conversion buffer
 
     def __contains__(self, name) -> bool:
         return name in self.where
@@ -110,7 +114,27 @@ class _Weights:
     def __getitem__(self, name):
         return self.where[name].read(name)
 
+    def shape(self, name) -> tuple:
+        return self.where[name].shape(name)
+
+    def read_into(self, name, out: torch.Tensor, start: int = 0) -> None:
+        """`out` (contiguous) <- elements [start, start + out.numel()) of tensor `name`, flattened:
+        read straight into it when it is in CPU memory in the file's dtype, else a chunk at a time
+        through one scratch buffer, converted; no tensor of the checkpoint's size is allocated
+        (the heap would keep the freed ones)."""
+        f, flat = self.where[name], out.view(-1)
+        dtype = f.dtype(name)
+        if dtype == out.dtype and out.device.type == "cpu":
+            f.read(name, start, start + flat.numel(), out=flat)
+            return
+        if self._scratch is None or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(SCRATCH_NUMEL, dtype=dtype)
+        for at in range(0, flat.numel(), SCRATCH_NUMEL):
+            end = min(at + SCRATCH_NUMEL, flat.numel())
+            flat[at:end].copy_(f.read(name, start + at, start + end, out=self._scratch[: end - at]))
+
     def close(self) -> None:
+        self._scratch = None
         for f in self.files:
             f.close()
 

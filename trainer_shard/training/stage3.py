@@ -111,6 +111,12 @@ class PeftNames:
     def __getitem__(self, name):
         return self.weights[self.base_name(name)]
 
+    def shape(self, name) -> tuple:
+        return self.weights.shape(self.base_name(name))
+
+    def read_into(self, name, out, start: int = 0) -> None:
+        self.weights.read_into(self.base_name(name), out, start)
+
     def close(self) -> None:
         self.weights.close()
 

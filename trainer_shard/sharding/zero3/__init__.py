@@ -60,10 +60,16 @@ optimizer must be offloaded as well: its engine reads the gradient chunk by chun
 the updated parameters back to the store (`write_shard`).
 
 [Note: meta-device model] A model whose weights do not fit in memory is built on the meta
-device (shapes only) and sharded with `weights`: each unit's flat buffer is filled from it a
-tensor at a time, the rank's shard kept (or written to the parameter store), the buffer freed,
-before the next unit; the parameter objects stay the same (`torch.utils.swap_tensors` gives each
+device (shapes only) and sharded with `weights`. From a reader that can read ranges straight into
+a tensor (`zero3_weights.checkpoint_weights`: pread, no mapping), each rank reads only its own
+slice of each flat buffer, parameter by parameter, into its shard (or writes it to the parameter
+store): every rank reads the same files, so no broadcast, and no unit is ever whole in memory
+(t5-large, 2 ranks: a rank's load peak is its shards, bench/results/load_rss.md). From any other
+mapping each unit's buffer is filled a tensor at a time, the rank's shard kept, the buffer freed,
+before the next unit. The parameter objects stay the same (`torch.utils.swap_tensors` gives each
 its real tensor), so ties and names are the model's. Persistent parameters are read whole.
+Gradient shards are made when first needed (the optimizer, or the first backward): a model only
+evaluated never holds one.
 
 `model.to(...)` changing the sharded parameters' dtype or device after sharding is refused.
 """

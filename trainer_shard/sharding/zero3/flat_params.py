@@ -54,12 +54,17 @@ class FlatParams(GradShard):
         self.segments = self.layout.segments(rank)  # which elements of which parameter the shard holds
         first = params[0]
         device = device if first.device.type == "meta" else first.device
-        self.buffer = torch.zeros(self.layout.total_numel, dtype=first.dtype, device=device)
+        # read slice by slice from the files ([Note: meta-device model]): the buffer is not filled
+        sliced = getattr(fetch, "read_slice", None) is not None and all(p.device.type == "meta" for p in params)
+        self.buffer = (torch.empty if sliced else torch.zeros)(self.layout.total_numel, dtype=first.dtype, device=device)
         self.views = [self.buffer[s.offset : s.offset + s.numel].view(shape)
                       for s, shape in zip(self.layout.slots, self.shapes)]  # fmt: skip
         self.empty = torch.empty(0, dtype=first.dtype, device=device)  # every parameter's `.data` between uses
         self.store, self.store_name = store, name
-        self._fill(fetch, device)  # (a meta parameter swapped for a real one: attributes after this)
+        if sliced:
+            self._fill_slice(fetch, device)
+        else:
+            self._fill(fetch, device)  # (a meta parameter swapped for a real one: attributes after this)
         for p, shape in zip(params, self.shapes):  # the names DeepSpeed gives them, which PEFT and others read
             p.ds_shape, p.ds_numel = shape, shape.numel()
         self._init_grad_side(device)
@@ -72,17 +77,40 @@ class FlatParams(GradShard):
         self.loading = None  # LOADED: the future of this rank's shard being read from disk, if it is
 
     @torch.no_grad()
+    def _fill_slice(self, fetch, device) -> None:
+        """[Note: meta-device model] This rank's shard read straight from the files, each parameter's
+        elements in its range and nothing else (every rank reads the same files: no broadcast);
+        the padding zero."""
+        lo, hi = self.bucket.slice_range(self.rank)
+        shard = torch.zeros(hi - lo, dtype=self.buffer.dtype)  # in CPU memory: read into, then moved
+        for p, slot in zip(self.params, self.layout.slots):
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                fetch.read_slice(p, start - slot.offset, shard[start - lo : end - lo])
+            self._make_real(p, device)
+        shard = shard.to(device)
+        if self.store is None:
+            self.shard = shard
+        else:  # [Note: parameter offload]
+            self.store.write(self.store_name, 0, shard)
+            self.shard = None if self.store.on_disk(self.store_name) else self.store.tensor(self.store_name)
+
+    @staticmethod
+    def _make_real(p, device) -> None:
+        """A real (empty) parameter in place of the meta one, with a version counter of its own (a
+        Parameter made of a view of the buffer would share the buffer's, and each gather into it
+        would then fail backward's check of the tensors forward saved)."""
+        real = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device))
+        real.requires_grad_(p.requires_grad)
+        torch.utils.swap_tensors(p, real)
+
+    @torch.no_grad()
     def _fill(self, fetch, device) -> None:
         """The buffer <- the parameters (rank 0's), this rank's slice kept as the shard."""
         for p, view in zip(self.params, self.views):
             if p.device.type == "meta":  # [Note: meta-device model] read now, a tensor at a time
-                view.copy_(fetch(p).reshape(view.shape))
-                # a real parameter in place of the meta one, with a version counter of its own (a
-                # Parameter made of the view would share the buffer's, and each gather into the
-                # buffer would then fail backward's check of the tensors forward saved)
-                real = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=device))
-                real.requires_grad_(p.requires_grad)
-                torch.utils.swap_tensors(p, real)
+                fetch(p, view)
+                self._make_real(p, device)
             else:
                 view.copy_(p.detach())
         comm.broadcast(self.buffer, 0, self.group)  # every rank starts from rank 0's weights

@@ -33,9 +33,9 @@ class GradShard:
             self.master = self.shard.float()
             self.shard_param = torch.nn.Parameter(self.master)
         self._master_version = self.shard_param._version if self.shard_param is not None else 0
-        # with a store, made when the optimizer says where and in what dtype (`configure`)
-        on_meta = self.store is not None or not self.trainable
-        self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device="meta" if on_meta else device)
+        # made when first needed (`_grad_in_memory`): by the optimizer (`configure`, which also says where
+        # and in what dtype) or the first backward; a model only evaluated never holds one (issue 35)
+        self.grad = torch.empty(self.layout.shard_numel, dtype=torch.float32, device="meta")
         self.stale = True  # the gradient shard holds nothing of this step yet (counts as zero)
         self.accumulated = False  # a second backward added into it before the step
         self.edited = False  # weights written behind the optimizer's back (load_state_dict, gathered(writeback))
@@ -49,9 +49,11 @@ class GradShard:
             self._add_to_stored_grad(values, alpha, owned)
             return
         if self.grad.device.type == "meta":
-            raise ShardingError("offload_param: the gradients have nowhere to go before the optimizer is built "
-                                "(ShardedOptimizer(..., stage=3, offload=...)), or configure(offloaded=True) is "
-                                "called on each flat buffer")  # fmt: skip
+            if self.store is not None:
+                raise ShardingError("offload_param: the gradients have nowhere to go before the optimizer is built "
+                                    "(ShardedOptimizer(..., stage=3, offload=...)), or configure(offloaded=True) is "
+                                    "called on each flat buffer")  # fmt: skip
+            self._grad_in_memory(self.grad.dtype)
         if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
             self.shard_param.grad = self.grad
             self.stale = True
@@ -141,8 +143,14 @@ class GradShard:
             self.grad = torch.empty(self.layout.shard_numel, dtype=dtype, device="meta")  # shape and dtype
             return
         if dtype != self.grad.dtype or self.grad.device.type == "meta":
-            self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.buffer.device)
+            self._grad_in_memory(dtype)
         if not offloaded:
+            self.shard_param.grad = self.grad
+
+    def _grad_in_memory(self, dtype) -> None:
+        """The gradient shard in memory, zero, where the parameters are (stale: nothing of this step)."""
+        self.grad = torch.zeros(self.layout.shard_numel, dtype=dtype, device=self.buffer.device)
+        if self.shard_param is not None and not self.offloaded and self.shard_param.grad is not None:
             self.shard_param.grad = self.grad
 
     def reduce_target(self, bucket, dtype):
@@ -197,6 +205,8 @@ class GradShard:
                 for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
                     self.store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, self.layout.shard_numel - start)])
                 self.grad_sq = 0.0
+            elif self.grad.device.type == "meta":
+                self._grad_in_memory(self.grad.dtype)
             else:
                 self.grad.zero_()
         self.stale = False

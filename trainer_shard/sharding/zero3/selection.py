@@ -41,8 +41,9 @@ def _device_of(model) -> torch.device:
 
 
 def _weight_reader(model, weights):
-    """`fetch(parameter) -> tensor` for the parameters still on the meta device, from `weights` (a
-    mapping read by name: any of a tied parameter's names will do); checks first that every one
+    """`fetch(parameter, out=None) -> tensor` for the parameters still on the meta device, from
+    `weights` (a mapping read by name: any of a tied parameter's names will do; into `out` when
+    given, straight from the file when `weights` can: `read_into`); checks first that every one
     of them is there, and that no buffer is on the meta device, so nothing is built on a miss."""
     names = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -63,13 +64,31 @@ def _weight_reader(model, weights):
         raise ShardingError(f"weights: {len(missing)} parameters of the model are not there, e.g. {missing[:3]}; "
                             "pass the weights of this model")  # fmt: skip
 
-    def fetch(p):
-        value = weights[next(n for n in names[p] if n in weights)]
-        if tuple(value.shape) != tuple(p.shape):
-            raise ShardingError(f"weights: {names[p][0]!r} has shape {tuple(value.shape)}, the model's is "
-                                f"{tuple(p.shape)}")  # fmt: skip
-        return value
+    direct = hasattr(weights, "read_into") and hasattr(weights, "shape")  # zero3_weights' reader: no copies
 
+    def fetch(p, out=None):
+        name = next(n for n in names[p] if n in weights)
+        value = None if direct else weights[name]
+        shape = tuple(weights.shape(name) if direct else value.shape)
+        if shape != tuple(p.shape):
+            raise ShardingError(f"weights: {names[p][0]!r} has shape {shape}, the model's is {tuple(p.shape)}")
+        if out is None:
+            return value if value is not None else weights[name]
+        if direct:
+            weights.read_into(name, out)
+        else:
+            out.copy_(value.reshape(out.shape))
+        return out
+
+    def read_slice(p, start: int, out) -> None:
+        """`out` <- elements [start, start + out.numel()) of `p`'s weights, flattened."""
+        name = next(n for n in names[p] if n in weights)
+        if tuple(weights.shape(name)) != tuple(p.shape):
+            raise ShardingError(f"weights: {names[p][0]!r} has shape {tuple(weights.shape(name))}, the model's is "
+                                f"{tuple(p.shape)}")  # fmt: skip
+        weights.read_into(name, out, start)
+
+    fetch.read_slice = read_slice if direct else None  # each rank reads only its slice ([Note: meta-device model])
     return fetch
 
 
