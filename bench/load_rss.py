@@ -11,8 +11,11 @@ Rows (each a torchrun of 2 ranks on gloo; its baseline run right before it):
 - predict: `--sharded_ddp "zero_dp_3 auto_wrap" --do_predict --predict_with_generate` only.
 - train: one training step, `"zero_dp_3 auto_wrap"` with the optimizer state on disk
   (an --offload config: offload_optimizer nvme).
+- train_bf16: the same step with `--bf16` (the fp32 checkpoint read into bf16 parameters, fp32
+  masters and moments on disk, gradient shards in bf16).
 - train_params_disk: the same step with the parameter and gradient shards on disk too
-  (offload_param nvme, ZeRO-Infinity's layout): what a rank holds in RAM is then the units at work.
+  (offload_param nvme, max_in_cpu 0: DeepSpeed's default keeps 1e9 elements in RAM): what a rank
+  holds in RAM is then the units at work.
 - auto: `--sharded_ddp auto` and one step, with a max_memory between the planner's zero_dp_3
   and zero_dp_2 rows (meta-device estimate): the run must choose zero_dp_3.
 Each rank records its peak RSS (VmHWM) right after the Trainer is built (the load) and at the
@@ -36,7 +39,7 @@ from _results import cpu_name, write_markdown  # noqa: E402
 GIB = 2**30
 ARCHS = {"t5-large": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64, model_vocab_size=32128),
          "tiny": dict(d_model=64, d_ff=256, num_layers=2, num_heads=2, d_kv=32, model_vocab_size=2000)}  # fmt: skip
-ROWS = ["predict", "train", "train_params_disk", "auto"]
+ROWS = ["predict", "train", "train_bf16", "train_params_disk", "auto"]
 BOUND = 0.6  # of the weights' bytes, above the baseline
 COMMON = ["--task", "translation_en_to_ro", "--max_source_length", "32", "--max_target_length", "16",
           "--val_max_target_length", "8", "--test_max_target_length", "8", "--n_test", "4",
@@ -148,14 +151,15 @@ def row_flags(row: str, paths: dict, folder: Path, model: Path) -> list:
     flags = ["--model_name_or_path", model, "--data_dir", paths["data"], *COMMON]
     if row == "predict":
         return [*flags, "--sharded_ddp", "zero_dp_3 auto_wrap", "--do_predict", "--predict_with_generate"]
-    if row in ("train", "train_params_disk"):
+    if row in ("train", "train_bf16", "train_params_disk"):
         zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(folder / "store")}}
         if row == "train_params_disk":
-            zero["offload_param"] = {"device": "nvme", "nvme_path": str(folder / "store")}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": str(folder / "store"), "max_in_cpu": 0}
         config = folder / f"{row}.json"
         config.write_text(json.dumps({"zero_optimization": zero}))
         sharded = "zero_dp_3 auto_wrap offload" if row == "train_params_disk" else "zero_dp_3 auto_wrap"
-        return [*flags, "--sharded_ddp", sharded, "--offload", config, "--do_train", "--max_steps", "1"]
+        bf16 = ["--bf16"] if row == "train_bf16" else []
+        return [*flags, "--sharded_ddp", sharded, "--offload", config, "--do_train", "--max_steps", "1", *bf16]
     config = folder / "budget.json"  # auto: written by main before the run
     return [*flags, "--sharded_ddp", "auto", "--offload", config, "--do_train", "--max_steps", "1"]
 

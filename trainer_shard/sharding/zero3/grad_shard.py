@@ -29,9 +29,9 @@ class GradShard:
         elif self.dtype == torch.float32:
             self.master = None
             self.shard_param = torch.nn.Parameter(self.shard)  # shares the shard's storage
-        else:
-            self.master = self.shard.float()
-            self.shard_param = torch.nn.Parameter(self.master)
+        else:  # 16-bit: the fp32 master made when an optimizer is to step it (`ensure_master`), not before
+            self.master = None
+            self.shard_param = torch.nn.Parameter(torch.empty(0, device=device))
         self._master_version = self.shard_param._version if self.shard_param is not None else 0
         # made when first needed (`_grad_in_memory`): by the optimizer (`configure`, which also says where
         # and in what dtype) or the first backward; a model only evaluated never holds one (issue 35)
@@ -54,7 +54,7 @@ class GradShard:
                                     "(ShardedOptimizer(..., stage=3, offload=...)), or configure(offloaded=True) is "
                                     "called on each flat buffer")  # fmt: skip
             self._grad_in_memory(self.grad.dtype)
-        if self.shard_param.grad is None and not self.offloaded:  # a plain optimizer's zero_grad(set_to_none=True)
+        if self.shard_param.grad is None and not self.offloaded and self.shard_param.numel():  # a plain optimizer's zero_grad(set_to_none=True)
             self.shard_param.grad = self.grad
             self.stale = True
         target = self.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
@@ -132,9 +132,13 @@ class GradShard:
                                 "nvme; --sharded_ddp \"zero_dp_3 offload\")")  # fmt: skip
         self.offloaded = offloaded
         dtype = grad_dtype or (self.dtype if offloaded else torch.float32)
-        if offloaded:
+        if offloaded:  # the engine's store holds the master: none here, and the Parameter holds no memory
+            if self.master is not None:
+                self.shard_param.data = torch.empty(0, device=self.master.device)
             self.master = None
             self.shard_param.grad = None
+        else:
+            self.ensure_master()
         if self.store is not None and self.shard is None:  # parameters on disk: the gradients too
             self.grad_name = self.store_name.replace(".param", ".grad")
             if not self.grad_stored:
@@ -146,6 +150,15 @@ class GradShard:
             self._grad_in_memory(dtype)
         if not offloaded:
             self.shard_param.grad = self.grad
+
+    def ensure_master(self) -> None:
+        """The fp32 master of a 16-bit shard in memory, as the optimizer's Parameter (`shard_param`),
+        made from the shard when first asked for: a model only evaluated, or stepped by an
+        offloaded optimizer, never holds one (issue 35: t5-large, bf16, 2 ranks: 1.37 GiB a rank)."""
+        if self.trainable and not self.offloaded and self.master is None and self.store is None and self.dtype != torch.float32:
+            self.master = self.shard.float()
+            self.shard_param.data = self.master
+            self._master_version = self.shard_param._version
 
     def _grad_in_memory(self, dtype) -> None:
         """The gradient shard in memory, zero, where the parameters are (stale: nothing of this step)."""

@@ -122,6 +122,8 @@ class ShardedModel(Lifecycle):
     def shard_parameters(self) -> list:
         """What to hand the optimizer: each trainable flat buffer's shard (an fp32 Parameter whose
         `.grad` is its gradient shard) and the trainable persistent parameters, whole."""
+        for part in self.parts:
+            part.ensure_master()
         return [part.shard_param for part in self.parts if part.trainable] + [
             p for p in self.persistent if p.requires_grad]  # fmt: skip
 
@@ -131,6 +133,7 @@ class ShardedModel(Lifecycle):
         found = {}
         for part in self.parts:
             if part.trainable:
+                part.ensure_master()
                 found.setdefault(part.key, []).append(part.shard_param)
         for p, key in zip(self.persistent, self.persistent_keys):
             if p.requires_grad:
