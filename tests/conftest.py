@@ -52,8 +52,18 @@ def script_env() -> dict:
     return env
 
 
-def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a script with `python`, or under `torchrun --nproc_per_node N` when nproc > 1."""
+def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300, env: dict | None = None,
+               fork: bool | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run a script as `python SCRIPT ARGS` would, or `torchrun --nproc_per_node N` when nproc > 1:
+    in processes forked from a warm one (tests/helpers/fork_server.py: torch, transformers and the
+    script's modules imported once, not 3-4 s of CPU a process) with the default environment; in
+    new processes under the real torchrun with `env`, `fork=False`, for the tests under tests/faults
+    (they test torchrun's own handling of signals and dead ranks), or with TRAINER_SHARD_TEST_FORK=0.
+    stdout and stderr are the ranks' in order."""
+    if fork is None:
+        fork = f"tests{os.sep}faults{os.sep}" not in os.environ.get("PYTEST_CURRENT_TEST", "")
+    if fork and not env and os.environ.get("TRAINER_SHARD_TEST_FORK", "1") != "0":
+        return _forked([str(script), *map(str, args)], nproc, timeout)
     if nproc > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                     "--master_port", str(free_port())]  # fmt: skip
@@ -67,6 +77,34 @@ def run_script(args, *, nproc: int = 1, script=SCRIPT, timeout: int = 300, env: 
         text=True,
         timeout=timeout,
     )
+
+
+_server = None  # this pytest process's fork server
+
+
+def _forked(argv: list, nproc: int, timeout: int) -> subprocess.CompletedProcess:
+    """`argv` run by this pytest process's fork server (started on first use, again if it died)."""
+    import json
+    import tempfile
+
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "fork_server.py")], cwd=ROOT,
+                                   env=script_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+        while not json.loads(_server.stdout.readline() or '{"ready": false}').get("ready", False):
+            if _server.poll() is not None:
+                raise RuntimeError("tests/helpers/fork_server.py exited while starting")
+    with tempfile.TemporaryDirectory(prefix="forked_") as out:
+        _server.stdin.write(json.dumps({"argv": argv, "nproc": nproc, "timeout": timeout, "out": out}) + "\n")
+        _server.stdin.flush()
+        answer = json.loads(_server.stdout.readline() or '{"rc": 1, "error": "the fork server died"}')
+        read = [(Path(out) / f"rank{r}.{kind}") for r in range(nproc) for kind in ("out", "err")]
+        text = {p.name: p.read_text(errors="replace") if p.is_file() else "" for p in read}
+    stdout = "".join(text[f"rank{r}.out"] for r in range(nproc))
+    stderr = "".join(text[f"rank{r}.err"] for r in range(nproc)) + answer.get("error", "")
+    if answer["rc"] == 124:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(argv, answer["rc"], stdout, stderr)
 
 
 def shared_run(name: str, tmp_path_factory, inputs, make) -> Path:
