@@ -40,25 +40,32 @@ def plain(tiny_model, tiny_data, tmp_path_factory):
     return out
 
 
-def test_eval_and_predict_with_generate_match_the_plain_trainer(plain, tiny_data, tmp_path):
-    """The trained model, evaluated by 2 ranks with every parameter in the stores' files (none in
-    RAM, none whole): val and test loss, BLEU, chrF and generation lengths as the plain Trainer's,
-    test_generations.txt line for line; both loops read their parameters from the files, left
-    nothing gathered, and the stores' folders are gone once the run ends."""
+def evaluated_as_plain(plain, tiny_data, tmp_path, sharded_ddp: str, config):
+    """The trained model evaluated and predicting on 2 ranks (under WATCH) with `--sharded_ddp
+    sharded_ddp --offload config`: built on the meta device (never whole), and the plain Trainer's
+    val and test loss, BLEU, chrF and generation lengths, test_generations.txt line for line.
+    Returns the output folder."""
     out = tmp_path / "out"
     flags = ["--model_name_or_path", plain, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS, *EVAL,
-             "--sharded_ddp", "zero_dp_3 offload", "--offload", offload_config(tmp_path),
-             "--log_level", "info"]  # fmt: skip
+             "--sharded_ddp", sharded_ddp, "--offload", config, "--log_level", "info"]  # fmt: skip
     proc = run_script(flags, nproc=2, script=WATCH)
     assert_ok(proc)
     assert "built on the meta device; its weights were read from" in proc.stdout + proc.stderr  # never whole
-
     want, got = (json.loads((d / "all_results.json").read_text()) for d in (plain, out))
     assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}
     generations, reference = ((d / "test_generations.txt").read_text(encoding="utf-8").splitlines()
                               for d in (out, plain))  # fmt: skip
     assert len(generations) == 10 and generations == reference
     assert len(set(generations)) > 5, generations  # a model that translates, not one repeating a token
+    return out
+
+
+def test_eval_and_predict_with_generate_match_the_plain_trainer(plain, tiny_data, tmp_path):
+    """The trained model, evaluated by 2 ranks with every parameter in the stores' files (none in
+    RAM, none whole): val and test loss, BLEU, chrF and generation lengths as the plain Trainer's,
+    test_generations.txt line for line; both loops read their parameters from the files, left
+    nothing gathered, and the stores' folders are gone once the run ends."""
+    out = evaluated_as_plain(plain, tiny_data, tmp_path, "zero_dp_3 offload", offload_config(tmp_path))
 
     for rank in (0, 1):
         seen = json.loads((out / f"store{rank}.json").read_text())
@@ -78,20 +85,9 @@ def test_evaluation_alone_under_zero_dp_3_reads_each_ranks_slice(plain, tiny_dat
     (was: `from_pretrained` on every rank, the whole model held through both loops, since only
     training sharded it), and no gradient shard (made by the optimizer or the first backward);
     the plain Trainer's losses, metrics and generations."""
-    out = tmp_path / "out"
     config = tmp_path / "zero3.json"  # every parameter sharded: the tiny model's are below the default threshold
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
-    flags = ["--model_name_or_path", plain, "--data_dir", tiny_data, "--output_dir", out, *TINY_FLAGS, *EVAL,
-             "--sharded_ddp", "zero_dp_3 auto_wrap", "--offload", config, "--log_level", "info"]  # fmt: skip
-    proc = run_script(flags, nproc=2, script=WATCH)
-    assert_ok(proc)
-    assert "built on the meta device; its weights were read from" in proc.stdout + proc.stderr  # never whole
-
-    want, got = (json.loads((d / "all_results.json").read_text()) for d in (plain, out))
-    assert {k: got[k] for k in SAME} == {k: want[k] for k in SAME}
-    generations, reference = ((d / "test_generations.txt").read_text(encoding="utf-8").splitlines()
-                              for d in (out, plain))  # fmt: skip
-    assert generations == reference and len(set(generations)) > 5
+    out = evaluated_as_plain(plain, tiny_data, tmp_path, "zero_dp_3 auto_wrap", config)
     for rank in (0, 1):
         for split, loop in json.loads((out / f"store{rank}.json").read_text()).items():
             held, whole = loop["held"], loop["model_bytes"]

@@ -16,20 +16,18 @@ torchrun's own handling of signals and dead ranks), start real processes instead
 
 import json
 import os
+import runpy
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_launcher import free_port, wait  # noqa: E402
+from readme_launcher import fork_child, free_port, wait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def preload() -> None:
     """What the scripts import, imported once; nothing here starts a thread: forking stays safe."""
-    import runpy
-
     import torch  # noqa: F401
     import transformers.models.t5.modeling_t5  # noqa: F401
 
@@ -42,40 +40,16 @@ def preload() -> None:
 
 def start(argv: list, env: dict, out: Path, rank: int) -> int:
     """Fork one process running `argv` (SCRIPT ARGS...) as __main__; its pid."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        os.setpgid(0, 0)  # its own group: a timeout kills what it started too
-        os.environ.update(env)
-        for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
-            target = os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        import runpy
 
+    def body() -> int:
+        for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
+            os.dup2(os.open(out / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         sys.argv = list(argv)
         runpy.run_path(argv[0], run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        try:
-            import atexit
+        return 0
 
-            atexit._run_exitfuncs()  # the finalizers a normal exit runs (stores, loggers)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    return fork_child(env, body)
 
 
 def serve(request: dict) -> int:

@@ -55,15 +55,8 @@ def free_port() -> int:
 
 def start(command: dict, rank: int, env: dict, log: Path) -> int:
     """Fork one process that runs `command` and exits with its status; returns its pid."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        os.setpgid(0, 0)  # its own group: a timeout kills what it started too
-        os.environ.update(env)
+
+    def body() -> int:
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, 1)
         os.dup2(out, 2)
@@ -71,7 +64,34 @@ def start(command: dict, rank: int, env: dict, log: Path) -> int:
         os.write(write, (command.get("stdin") or "").encode())
         os.close(write)
         os.dup2(read, 0)
-        code = run(command)
+        return run(command)
+
+    return fork_child(env, body)
+
+
+def fork_child(env: dict, body) -> int:
+    """Fork a process of its own group (a timeout kills what it started too), `env` added to its
+    environment, that runs `body()` and exits with its status (`exit_child`); returns its pid."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+
+    def run_body() -> int:
+        os.setpgid(0, 0)
+        os.environ.update(env)
+        return body()
+
+    exit_child(run_body)
+
+
+def exit_child(body) -> None:
+    """In a forked process: run `body()` and end the process with its status as a normal exit
+    would (SystemExit's code, 1 after an exception, the atexit finalizers run), never returning."""
+    code = 1
+    try:
+        code = body()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):

@@ -35,6 +35,7 @@ The parts, one concern a module:
 """
 
 import logging
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -273,6 +274,6 @@ class OffloadEngine(ChunkStep, StoreIO):
 
 def _close(store, io, flusher=None) -> None:
     for pool in (io, flusher):
-        if pool is not None:
-            pool.shutdown(wait=True)
+        if pool is not None:  # a finalizer the collector ran on one of the pool's own threads cannot join it
+            pool.shutdown(wait=threading.current_thread() not in getattr(pool, "_threads", ()))
     store.close()
