@@ -36,3 +36,12 @@ def cpu_name() -> str:
     except Exception as e:  # an environment without torch, or a torch without the op
         bf16 = f"bf16 kernels unknown ({type(e).__name__})"
     return f"{model}, {bf16} (torch.ops.mkldnn._is_mkldnn_bf16_supported())"
+
+
+def write_results(out, data: dict, text: str) -> None:
+    """`out`.json <- `data`; `out`.md <- `text` (its notes kept, `write_markdown`); `text` printed."""
+    import json
+
+    Path(f"{out}.json").write_text(json.dumps(data, indent=1))
+    write_markdown(Path(f"{out}.md"), text)
+    print(text)

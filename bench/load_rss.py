@@ -25,7 +25,6 @@ end. Not a test: minutes, and 6 GB of disk. Run nothing else meanwhile.
 import argparse
 import json
 import os
-import runpy
 import subprocess
 import sys
 import threading
@@ -34,7 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _results import cpu_name, write_markdown  # noqa: E402
+from _finetune_rank import run_finetune  # noqa: E402
+from _results import cpu_name, write_results  # noqa: E402
 
 GIB = 2**30
 ARCHS = {"t5-large": dict(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64, model_vocab_size=32128),
@@ -75,20 +75,12 @@ def as_rank(argv: list) -> None:
         seen["stage"] = self.sharding_stage
 
     mixin.__init__ = recorded
-    script = runpy.run_path(str(ROOT / "scripts" / "finetune_trainer.py"))
-    trainer, _ = script["main"](argv)
-    seen["end"] = vm_kib("self", "VmHWM") * 1024
-    (Path(trainer.args.output_dir) / f"rss_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen))
-    # the Trainer (a DDP Reducer holding the gloo group, where auto chose DDP) freed before the group is
-    # destroyed: freed after it, the group's destructor joins a gloo thread waiting for the GIL it holds
-    del trainer, script
-    import gc
 
-    gc.collect()
-    import torch.distributed as dist
+    def record(trainer) -> None:
+        seen["end"] = vm_kib("self", "VmHWM") * 1024
+        (Path(trainer.args.output_dir) / f"rss_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(seen))
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_finetune(argv, record)
 
 
 # ---- the runs ----------------------------------------------------------------------------------
@@ -223,14 +215,12 @@ def main() -> None:
         results.append({"row": row, "weights": weights, **{k: {**v, "log": v["log"][-2000:]} for k, v in runs.items()}})
         print(table(results), flush=True)
     meta = {"cpu": cpu_name(), "cpus": os.cpu_count(), "arch": args.arch, "command": " ".join(sys.argv)}
-    Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     text = (f"# Host RAM at load under ZeRO-3 (2 ranks, {args.arch} in fp32)\n\nWritten by `python "
             f"{' '.join(sys.argv)}` (bench/load_rss.py); CPU: {meta['cpu']}, {os.cpu_count()} cores. Peak RSS is "
             "each rank's VmHWM; the baseline is the same command on the 1-layer model of the same widths; the node "
             f"peak is both ranks' RSS summed, sampled every 20 ms.\n\n{table(results)}\n\n"
             + "".join(f"- {n}\n" for n in notes))  # fmt: skip
-    write_markdown(Path(f"{args.out}.md"), text)
-    print(text)
+    write_results(args.out, {"meta": meta, "results": results}, text)
 
 
 if __name__ == "__main__":

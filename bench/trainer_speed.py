@@ -18,7 +18,6 @@ trim call. Not a test: minutes. Run nothing else meanwhile.
 import argparse
 import json
 import os
-import runpy
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from _results import cpu_name, write_markdown  # noqa: E402
+from _finetune_rank import run_finetune  # noqa: E402
+from _results import cpu_name, write_results  # noqa: E402
 
 ARCHS = {"small": dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, model_vocab_size=32128),
          "base": dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64, model_vocab_size=32128),
@@ -60,26 +60,21 @@ def as_rank(argv: list) -> None:
         at_start[0] = calls[0]
 
     trainer_module.ShardedTrainerMixin.__init__ = recorded
-    script = runpy.run_path(str(ROOT / "scripts" / "finetune_trainer.py"))
-    for module in list(sys.modules.values()):  # every module that imported it by name, the package's own too
-        if getattr(module, "__name__", "").startswith("trainer_shard") and getattr(
-                module, "release_freed_memory", None) is release:  # fmt: skip
-            module.release_freed_memory = counted
-    trainer, _ = script["main"](argv)
-    out = Path(trainer.args.output_dir)
-    import resource
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    (out / f"speed_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"trim_calls": calls[0] - at_start[0],
-                                                                                   "peak_rss": peak}))
-    del trainer, script  # before the group is destroyed (a DDP Reducer freed after it hangs in gloo)
-    import gc
+    def count() -> None:  # every module that imported it by name, the package's own too
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("trainer_shard") and getattr(
+                    module, "release_freed_memory", None) is release:  # fmt: skip
+                module.release_freed_memory = counted
 
-    gc.collect()
-    import torch.distributed as dist
+    def record(trainer) -> None:
+        import resource
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        (Path(trainer.args.output_dir) / f"speed_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(
+            {"trim_calls": calls[0] - at_start[0], "peak_rss": peak}))  # fmt: skip
+
+    run_finetune(argv, record, prepare=count)
 
 
 def build(folder: Path, models: list) -> dict:
@@ -160,13 +155,11 @@ def main() -> None:
                 print(f"round {round_index} t5-{model} {strategy}: {result['train_runtime']:.2f} s, peak "
                       f"{result['peak_rss'] / GIB:.2f} GiB, trims {result['trim_calls']}", flush=True)  # fmt: skip
     meta = {"cpu": cpu_name(), "cpus": os.cpu_count(), "command": " ".join(sys.argv), "steps": args.steps}
-    Path(f"{args.out}.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     text = (f"# Speed through the Trainer (finetune_trainer.py, 2 ranks on gloo)\n\nWritten by `python "
             f"{' '.join(sys.argv)}` (bench/trainer_speed.py); CPU: {meta['cpu']}, {os.cpu_count()} cores. fp32, batch 8 "
             f"a rank, 64 + 64 tokens, {args.steps} steps a run, {args.rounds} interleaved rounds; train_runtime is the "
             f"Trainer's.\n\n{table(runs, args.models)}\n")  # fmt: skip
-    write_markdown(Path(f"{args.out}.md"), text)
-    print(text)
+    write_results(args.out, {"meta": meta, "runs": runs}, text)
 
 
 if __name__ == "__main__":
