@@ -465,8 +465,9 @@ def test_estimate_command_prints_every_strategy(tiny_model):
                              cwd=ROOT).stdout  # fmt: skip
         assert f"Compute dtype {compute}: as asked" in out
         sizes[compute] = {tuple(r[:2]): float(r[2]) for r in re.findall(r"\| (\w+) \| (\w+) \| ([\d.]+) \|", out)}
-    assert sizes["fp32"][("ddp", "none")] == sizes["bf16"][("ddp", "none")]
-    assert all(sizes["fp32"][k] > sizes["bf16"][k] for k in sizes["bf16"] if k[0] != "ddp")
+    # each estimate counts its own process's RSS (--no_probe): two processes differ by a few MiB
+    assert abs(sizes["fp32"][("ddp", "none")] - sizes["bf16"][("ddp", "none")]) <= 0.05
+    assert all(sizes["fp32"][k] > sizes["bf16"][k] + 0.05 for k in sizes["bf16"] if k[0] != "ddp")  # >= 0.3 GiB
     bad = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--max_memory",
                           "lots"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     assert bad.returncode == 2 and "must be a size" in bad.stderr
