@@ -69,6 +69,7 @@ def test_the_other_rank_stops_in_bounded_time_naming_the_failed_rank(tiny_model,
                            {"FAULT": fault, "FAULT_STEP": step, "FAULT_STAMP": str(stamp)})  # fmt: skip
     (code0, out0, end0), (code1, out1, end1) = finish(procs)
     assert stamp.is_file(), f"the fault was not injected\n{out0[-3000:]}\n{out1[-3000:]}"
+    assert end0 is not None, f"rank 0 was still running 120 s after the fault (killed)\n{out0[-3000:]}"
     took = end0 - float(stamp.read_text())
     assert code0 == 3, f"rank 0 exit {code0}\n{out0[-3000:]}"
     assert took < bound, f"rank 0 took {took:.1f} s to stop after the fault (bound {bound} s)"
