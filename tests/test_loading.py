@@ -184,3 +184,23 @@ def test_a_bf16_model_reads_an_fp32_checkpoint_in_chunks_equal_to_from_pretraine
         for name, value in reference.items():
             assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value), name
     sharded.close()
+
+
+def test_a_checkpoint_of_another_shape_is_refused_by_name(tiny_model):
+    """A model whose shapes are not the checkpoint's (a config edited after saving): the first
+    parameter that differs is named with both shapes, through the slice reader and the mapping."""
+    from transformers import AutoConfig
+
+    from trainer_shard import ShardingError
+    from trainer_shard.sharding import shard_model, zero3_weights
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.d_ff *= 2
+    for weights in (zero3_weights.checkpoint_weights(tiny_model), None):
+        model = load_meta(AutoModelForSeq2SeqLM, tiny_model, config=config)
+        source = weights if weights is not None else AutoModelForSeq2SeqLM.from_pretrained(tiny_model).state_dict()
+        with pytest.raises(ShardingError, match=r"weights: '.*DenseReluDense.wi.weight' has shape \(64, 32\), "
+                                                r"the model's is \(128, 32\)"):  # fmt: skip
+            shard_model(model, weights=source, persistence_threshold=0)
+        if weights is not None:
+            weights.close()

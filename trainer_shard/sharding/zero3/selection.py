@@ -66,27 +66,25 @@ def _weight_reader(model, weights):
 
     direct = hasattr(weights, "read_into") and hasattr(weights, "shape")  # zero3_weights' reader: no copies
 
-    def fetch(p, out=None):
+    def named(p, shape) -> str:
+        """The name `p` is read by, once `shape` (of that name) is found to be `p`'s."""
         name = next(n for n in names[p] if n in weights)
-        value = None if direct else weights[name]
-        shape = tuple(weights.shape(name) if direct else value.shape)
-        if shape != tuple(p.shape):
-            raise ShardingError(f"weights: {names[p][0]!r} has shape {shape}, the model's is {tuple(p.shape)}")
-        if out is None:
-            return value if value is not None else weights[name]
-        if direct:
-            weights.read_into(name, out)
-        else:
-            out.copy_(value.reshape(out.shape))
-        return out
+        found = tuple(shape(name))
+        if found != tuple(p.shape):
+            raise ShardingError(f"weights: {names[p][0]!r} has shape {found}, the model's is {tuple(p.shape)}")
+        return name
 
     def read_slice(p, start: int, out) -> None:
         """`out` <- elements [start, start + out.numel()) of `p`'s weights, flattened."""
-        name = next(n for n in names[p] if n in weights)
-        if tuple(weights.shape(name)) != tuple(p.shape):
-            raise ShardingError(f"weights: {names[p][0]!r} has shape {tuple(weights.shape(name))}, the model's is "
-                                f"{tuple(p.shape)}")  # fmt: skip
-        weights.read_into(name, out, start)
+        weights.read_into(named(p, weights.shape), out, start)
+
+    def fetch(p, out=None):
+        if direct and out is not None:
+            read_slice(p, 0, out)
+            return out
+        value = weights[next(n for n in names[p] if n in weights)]
+        named(p, lambda name: value.shape)  # read once, checked
+        return value if out is None else out.copy_(value.reshape(out.shape))
 
     fetch.read_slice = read_slice if direct else None  # each rank reads only its slice ([Note: meta-device model])
     return fetch
