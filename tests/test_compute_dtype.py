@@ -133,9 +133,12 @@ def errors(grads, reference) -> dict:
 
 
 # -- numerics
+@pytest.mark.parametrize("chunk_bytes", [None, 512], ids=["whole", "row-blocks"])
 @pytest.mark.parametrize("build, loss_fn, batch", [(mlp, mlp_loss, mlp_batch), (t5, t5_loss, t5_batch)],
                          ids=["mlp", "t5"])  # fmt: skip
-def test_fp32_compute_matches_an_fp32_model_holding_the_bf16_weights(build, loss_fn, batch):
+def test_fp32_compute_matches_an_fp32_model_holding_the_bf16_weights(build, loss_fn, batch, chunk_bytes, monkeypatch):
+    if chunk_bytes:  # every Linear's weight cast and its gradient computed a few rows at a time
+        monkeypatch.setattr(compute, "CHUNK_BYTES", chunk_bytes)
     model = build().to(BF16)
     batch = batch()
     pure = copy.deepcopy(model)
@@ -226,7 +229,7 @@ def bytes_allocated_and_kept(fn):
 
 def test_forward_keeps_about_one_layer_of_fp32_weights_not_the_model():
     model, x = deep(), torch.randn(2, 256, dtype=BF16)
-    layer = 256 * 256 * 4 + 256 * 4  # one Linear in fp32
+    layer = 256 * 256 * 4  # one Linear's weight in fp32 (the bias is cast as it is added)
     with ComputeCast(model, FP32) as cast:
         loss, kept = bytes_allocated_and_kept(lambda: model(x).float().sum())
         assert cast.held_bytes() == 0  # between forwards
@@ -242,11 +245,32 @@ def test_forward_keeps_about_one_layer_of_fp32_weights_not_the_model():
 def test_held_bytes_count_one_layer_while_it_runs():
     model, x = deep(layers=3), torch.randn(2, 256, dtype=BF16)
     held = []
-    with ComputeCast(model, FP32) as cast:
+    with ComputeCast(model, FP32, units=list(model)) as cast:
         for layer in model:  # registered after ComputeCast's pre-hook: runs while the cast copies live
             layer.register_forward_pre_hook(lambda m, args: held.append(cast.held_bytes()))
         model(x)
     assert held == [256 * 256 * 4 + 256 * 4] * 3
+
+
+def test_a_large_linear_outside_the_units_is_cast_a_block_of_rows_at_a_time(monkeypatch):
+    """T5's lm_head (32128 rows, shared with the embedding): never a whole fp32 copy, forward or
+    backward: the pool holds a buffer of each block size, forward and backward."""
+    monkeypatch.setattr(compute, "CHUNK_BYTES", 64 * 32 * 4)  # 64 rows of 32 columns a block
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 1000, bias=False).to(BF16)
+    reference = copy.deepcopy(head).float()
+    x = torch.randn(6, 32, dtype=BF16)
+    with ComputeCast(head, FP32) as cast:
+        out = head(x)
+        block = (64 + 1000 % 64) * 32 * 4  # a buffer of 64 rows and one of the last 40
+        assert out.dtype == FP32 and cast.held_bytes() == 0 and cast.pool_bytes() == block
+        out.square().sum().backward()
+        assert cast.pool_bytes() == block  # backward's recasts and products take the same buffers
+    expected = reference(x.float())
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected)
+    assert head.weight.grad.dtype == BF16
+    torch.testing.assert_close(head.weight.grad, reference.weight.grad.to(BF16), rtol=0, atol=0)
 
 
 def test_a_cast_copy_that_escapes_its_forward_is_not_reused():
@@ -332,12 +356,13 @@ def fp32_weights_among(saved, model):
 @pytest.mark.parametrize("given", [True, False], ids=["outer given", "enclosing hooks"])
 def test_tensors_that_are_not_cast_copies_reach_the_outer_hooks(given):
     model, batch = Blocks().to(BF16), mlp_batch()
-    with ComputeCast(model, FP32):
+    units = list(model.blocks)  # the head, alone, is cast by its own forward: no frame, no hooks of ours
+    with ComputeCast(model, FP32, units=units):
         _, expected = run(model, mlp_loss, batch)
     seen = {"pack": [], "unpack": 0}
     hooks = counting_hooks(seen)
     readied = []
-    with ComputeCast(model, FP32, outer=hooks if given else None, ensure_ready=readied.append):
+    with ComputeCast(model, FP32, units=units, outer=hooks if given else None, ensure_ready=readied.append):
         if given:
             loss = mlp_loss(model, batch)
         else:
@@ -372,3 +397,27 @@ def test_auto_on_a_cpu_without_bf16_kernels_computes_in_fp32():
     if kernels != "False":
         pytest.skip("ONEDNN_MAX_CPU_ISA does not take bf16 kernels away on this CPU (not x86?)")
     assert line.startswith("compute dtype fp32: a 64x256x256 bf16 matmul took"), line
+
+
+def test_lora_adapters_over_frozen_bf16_linears_get_fp32_computed_gradients():
+    """PEFT wraps each target nn.Linear as `base_layer`: the frozen base runs through the cast
+    Linear (an input gradient, no weight gradient), the adapters get the same gradients as an fp32
+    model holding the bf16 weights."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        model = get_peft_model(t5(), LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], lora_dropout=0.0))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # nonzero, so that lora_A's gradient is too
+                torch.nn.init.normal_(p, std=0.02)
+        return model.to(BF16)
+
+    model, batch = lora(), t5_batch()
+    reference = copy.deepcopy(model).float()
+    _, ref_grads = run(reference, t5_loss, batch)
+    with ComputeCast(model, FP32, units=auto_wrap_units(model)[0]) as cast:
+        assert cast._linears  # the frozen bases among them
+        _, grads = run(model, t5_loss, batch)
+    assert set(grads) == set(ref_grads) and all("lora_" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name].to(BF16).float(), rtol=2e-2, atol=1e-5, msg=name)

@@ -14,6 +14,7 @@ layer's parameters to the compute dtype only while that layer's forward runs:
 See [Note: compute casts] for how no whole fp32 copy of the model is ever held.
 """
 
+import contextlib
 import functools
 import time
 
@@ -128,6 +129,15 @@ def choose_compute_dtype(requested: str, storage_dtype: torch.dtype, device, *, 
 # Copies live from a layer's pre-hook to its post-hook: one unit (plus its enclosing hooked
 # modules) at a time, never the model.
 #
+# An `nn.Linear` (exactly that class: PEFT's LoRA layers wrap one as `base_layer`) runs through
+# `_CastLinear` instead of autograd's linear: its forward uses the unit's cast copy, its backward
+# hands the 16-bit gradient straight to p (no fp32 weight-sized gradient for `_Cast` to convert) and
+# recasts p and computes the weight gradient a block of rows at a time (`CHUNK_BYTES`) in pooled
+# buffers. A Linear outside the units (T5's `lm_head`, which shares the 32128-row embedding) is not
+# swapped at all: its forward casts p block by block too, so no whole fp32 copy of a large weight
+# is ever held. This took the peak RSS of a t5-large ZeRO-3 step with parameters, gradients and
+# optimizer state on disk from 3.22 to 2.66 GiB (bf16 compute: 2.04; bench/results/compute_rss.md).
+#
 # The forward's copies come from a pool keyed by (numel, dtype, device), which hands a buffer out
 # again only when nothing but the pool references its storage (a module that returns its weight,
 # or autograd saving it with saved-tensor hooks disabled, keeps it until they let go), so fp32
@@ -148,6 +158,64 @@ class _Cast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.storage_dtype), None
+
+
+CHUNK_BYTES = 16 << 20
+"""`_CastLinear` casts and multiplies a weight this many bytes of compute-dtype rows at a time
+(t5-large's feed-forward matrices in one block, its 126 MiB `lm_head` in eight)."""
+
+
+def _row_blocks(weight, dtype):
+    out_features, in_features = weight.shape
+    rows = max(1, CHUNK_BYTES // max(1, in_features * dtype.itemsize))
+    return [(start, min(out_features, start + rows)) for start in range(0, out_features, rows)]
+
+
+class _CastLinear(torch.autograd.Function):
+    """`x @ p.T (+ bias)` in the compute dtype for a 16-bit weight p, whose gradient (p's dtype)
+    goes to p directly: see [Note: compute casts]. `w`: the forward's cast copy of p, or None to
+    cast p a block of rows at a time here."""
+
+    @staticmethod
+    def forward(ctx, x, p, bias, w, cast):
+        ctx.cast, ctx.param = cast, p  # p itself, not saved: backward casts it again (ZeRO-3 gathers it first)
+        ctx.save_for_backward(x)
+        if w is not None:
+            return torch.nn.functional.linear(x, w, bias)
+        return cast._blockwise_linear(x, p, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        cast, p = ctx.cast, ctx.param
+        if cast._ensure_ready is not None:  # ZeRO-3: p's unit gathered again (its shape and values)
+            cast._ensure_ready(p)
+        need_x, need_w, need_bias = ctx.needs_input_grad[:3]
+        out_features, in_features = p.shape
+        grad2 = grad.reshape(-1, out_features)
+        x2 = x.reshape(-1, in_features)
+        blocks = _row_blocks(p, cast.dtype)
+        grad_x = torch.zeros_like(x2) if need_x and len(blocks) > 1 else None
+        grad_w = torch.empty_like(p, memory_format=torch.contiguous_format) if need_w else None
+        with record_function("trainer_shard::compute_linear_backward"):
+            for start, stop in blocks:
+                if need_x:
+                    w = cast._pooled((stop - start, in_features), p.device)
+                    w.copy_(p[start:stop])
+                    if grad_x is None:
+                        grad_x = torch.mm(grad2, w)
+                    else:
+                        grad_x.addmm_(grad2[:, start:stop], w)
+                    del w
+                if need_w:
+                    product = cast._pooled((stop - start, in_features), p.device)
+                    torch.mm(grad2[:, start:stop].t(), x2, out=product)
+                    grad_w[start:stop].copy_(product)
+                    del product
+        if need_x:
+            grad_x = grad_x.reshape(x.shape)
+        grad_bias = grad2.sum(0) if need_bias else None
+        return grad_x, grad_w, grad_bias, None, None
 
 
 class _Recast:
@@ -233,9 +301,17 @@ class ComputeCast:
         self._frames = {}  # module -> its running forwards' frames, innermost last
         self._held = 0  # bytes of the cast copies of running forwards
         self._handles = []
+        self._linears = []  # the nn.Linear whose forward is ours (an instance attribute)
         self._units = set(units)
         inside = {m for unit in self._units for m in unit.modules() if m is not unit}
         for module in model.modules():
+            if type(module) is torch.nn.Linear and "forward" not in module.__dict__ and self._casts(module.weight):
+                alone = module not in inside and module not in self._units
+                module.forward = functools.partial(self._linear_alone if alone else self._linear_in_unit, module)
+                self._linears.append(module)
+                if alone:  # not swapped: cast a block of rows at a time by its own forward
+                    self._handles.append(module.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+                    continue
             if module in self._units:
                 pass  # cast whole while it runs
             elif module in inside or not any(map(self._casts, module.parameters(recurse=False))):
@@ -248,6 +324,50 @@ class ComputeCast:
                 # first among the post-hooks: the parameters are back before ZeRO-3 releases its unit
                 module.register_forward_hook(self._post_forward, always_call=True, prepend=True),
             ]
+
+    def _pooled(self, shape, device) -> torch.Tensor:
+        """A contiguous `self.dtype` tensor of `shape` in a pooled buffer (contents undefined)."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        storage = self._pool.take(numel, self.dtype, device)
+        return torch.empty(0, dtype=self.dtype, device=device).set_(storage, 0, shape)
+
+    def _linear_in_unit(self, module, x):
+        """The forward of an nn.Linear inside a unit: `_CastLinear` with the unit's cast copy."""
+        w = module.weight
+        p = self._live.get(w.untyped_storage().data_ptr()) if self._live else None
+        if p is None or not torch.is_grad_enabled() or w.dtype != self.dtype:  # no frame, or no autograd
+            return torch.nn.functional.linear(x, w, module.bias)
+        return _CastLinear.apply(x, p, module.bias, w.detach(), self)
+
+    def _linear_alone(self, module, x):
+        """The forward of an nn.Linear outside the units: p cast a block of rows at a time."""
+        p, bias = module.weight, module.bias
+        x = self._cast_input(x)
+        bias = self._cast_input(bias) if bias is not None else None
+        with contextlib.ExitStack() as stack:
+            if torch.is_autocast_enabled(x.device.type):
+                stack.enter_context(torch.autocast(x.device.type, enabled=False))
+            if torch.is_grad_enabled():
+                return _CastLinear.apply(x, p, bias, None, self)
+            return self._blockwise_linear(x, p, bias)
+
+    def _blockwise_linear(self, x, p, bias):
+        out_features, in_features = p.shape
+        x2 = x.reshape(-1, in_features)
+        if x2.dtype != self.dtype:
+            x2 = x2.to(self.dtype)
+        out = torch.empty(x2.shape[0], out_features, dtype=self.dtype, device=x.device)
+        with record_function("trainer_shard::compute_linear"):
+            for start, stop in _row_blocks(p, self.dtype):
+                w = self._pooled((stop - start, in_features), p.device)
+                w.copy_(p[start:stop])
+                torch.mm(x2, w.t(), out=out[:, start:stop])
+                del w
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], out_features)
 
     def _casts(self, p) -> bool:
         return p is not None and p.is_floating_point() and p.dtype != self.dtype
@@ -265,6 +385,9 @@ class ComputeCast:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        for module in self._linears:
+            del module.forward
+        self._linears = []
         for unit in self._units:
             func = unit.__dict__.get("_gradient_checkpointing_func")
             if isinstance(func, _CastCheckpoint) and func.cast is self:
@@ -345,14 +468,17 @@ class ComputeCast:
             numel, device = p.numel(), p.device
             if numel == 0:
                 return torch.empty(p.shape, dtype=self.dtype, device=device)
-            storage = self._pool.take(numel, self.dtype, device)
-            cast = torch.empty(0, dtype=self.dtype, device=device).set_(storage, 0, p.shape)
+            cast = self._pooled(p.shape, device)
             cast.copy_(p)
+            storage = cast.untyped_storage()
             ptr = storage.data_ptr()
             self._live[ptr] = p
             frame.casts.append((ptr, storage))
             self._held += storage.nbytes()
             return cast
+
+    def _cast_inputs(self, module, args, kwargs):
+        return tree_map_only(torch.Tensor, self._cast_input, (args, kwargs))
 
     def _cast_output(self, module, args, output):
         return tree_map_only(torch.Tensor, self._cast_input, output)
