@@ -133,12 +133,12 @@ def errors(grads, reference) -> dict:
 
 
 # -- numerics
-@pytest.mark.parametrize("chunk_bytes", [None, 512], ids=["whole", "row-blocks"])
+@pytest.mark.parametrize("block_numel", [None, 128], ids=["whole", "row-blocks"])
 @pytest.mark.parametrize("build, loss_fn, batch", [(mlp, mlp_loss, mlp_batch), (t5, t5_loss, t5_batch)],
                          ids=["mlp", "t5"])  # fmt: skip
-def test_fp32_compute_matches_an_fp32_model_holding_the_bf16_weights(build, loss_fn, batch, chunk_bytes, monkeypatch):
-    if chunk_bytes:  # every Linear's weight cast and its gradient computed a few rows at a time
-        monkeypatch.setattr(compute, "CHUNK_BYTES", chunk_bytes)
+def test_fp32_compute_matches_an_fp32_model_holding_the_bf16_weights(build, loss_fn, batch, block_numel, monkeypatch):
+    if block_numel:  # every Linear's weight cast and its gradient computed a few rows at a time
+        monkeypatch.setattr(compute, "BLOCK_NUMEL", block_numel)
     model = build().to(BF16)
     batch = batch()
     pure = copy.deepcopy(model)
@@ -255,7 +255,7 @@ def test_held_bytes_count_one_layer_while_it_runs():
 def test_a_large_linear_outside_the_units_is_cast_a_block_of_rows_at_a_time(monkeypatch):
     """T5's lm_head (32128 rows, shared with the embedding): never a whole fp32 copy, forward or
     backward: the pool holds a buffer of each block size, forward and backward."""
-    monkeypatch.setattr(compute, "CHUNK_BYTES", 64 * 32 * 4)  # 64 rows of 32 columns a block
+    monkeypatch.setattr(compute, "BLOCK_NUMEL", 64 * 32)  # 64 rows of 32 columns a block
     torch.manual_seed(0)
     head = torch.nn.Linear(32, 1000, bias=False).to(BF16)
     reference = copy.deepcopy(head).float()

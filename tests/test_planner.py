@@ -49,7 +49,7 @@ def test_zero3_gather_pool_keeps_the_most_of_each_size_gathered_at_once():
 
 
 def test_the_compute_buffers_bound_what_the_cast_holds():
-    """16-bit parameters computed in fp32: the planner's compute buffers (4 (L + R)) against the
+    """16-bit parameters computed in fp32: the planner's compute buffers (4 L + min(4 R, 2 C)) against the
     pool `ComputeCast` keeps after two steps of a bf16 T5 (measured: 50,048 of 58,496 bytes)."""
     import torch
     import transformers

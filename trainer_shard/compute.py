@@ -22,7 +22,7 @@ import torch
 from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_map_only
 
-from .constants import DTYPE_NAMES, PRECISIONS
+from .constants import CHUNK_NUMEL, DTYPE_NAMES, PRECISIONS
 from .dtypes import DTYPES
 
 SLOWER_THAN = 2.0
@@ -132,7 +132,7 @@ def choose_compute_dtype(requested: str, storage_dtype: torch.dtype, device, *, 
 # An `nn.Linear` (exactly that class: PEFT's LoRA layers wrap one as `base_layer`) runs through
 # `_CastLinear` instead of autograd's linear: its forward uses the unit's cast copy, its backward
 # hands the 16-bit gradient straight to p (no fp32 weight-sized gradient for `_Cast` to convert) and
-# recasts p and computes the weight gradient a block of rows at a time (`CHUNK_BYTES`) in pooled
+# recasts p and computes the weight gradient a block of rows at a time (`BLOCK_NUMEL`) in pooled
 # buffers. A Linear outside the units (T5's `lm_head`, which shares the 32128-row embedding) is not
 # swapped at all: its forward casts p block by block too, so no whole fp32 copy of a large weight
 # is ever held. This took the peak RSS of a t5-large ZeRO-3 step with parameters, gradients and
@@ -160,14 +160,14 @@ class _Cast(torch.autograd.Function):
         return grad.to(ctx.storage_dtype), None
 
 
-CHUNK_BYTES = 16 << 20
-"""`_CastLinear` casts and multiplies a weight this many bytes of compute-dtype rows at a time
-(t5-large's feed-forward matrices in one block, its 126 MiB `lm_head` in eight)."""
+BLOCK_NUMEL = CHUNK_NUMEL
+"""`_CastLinear` casts and multiplies a weight this many elements of rows at a time (16 MiB in fp32:
+t5-large's feed-forward matrices in one block, its 126 MiB `lm_head` in eight)."""
 
 
-def _row_blocks(weight, dtype):
+def _row_blocks(weight):
     out_features, in_features = weight.shape
-    rows = max(1, CHUNK_BYTES // max(1, in_features * dtype.itemsize))
+    rows = max(1, BLOCK_NUMEL // max(1, in_features))
     return [(start, min(out_features, start + rows)) for start in range(0, out_features, rows)]
 
 
@@ -194,7 +194,7 @@ class _CastLinear(torch.autograd.Function):
         out_features, in_features = p.shape
         grad2 = grad.reshape(-1, out_features)
         x2 = x.reshape(-1, in_features)
-        blocks = _row_blocks(p, cast.dtype)
+        blocks = _row_blocks(p)
         grad_x = torch.zeros_like(x2) if need_x and len(blocks) > 1 else None
         grad_w = torch.empty_like(p, memory_format=torch.contiguous_format) if need_w else None
         with record_function("trainer_shard::compute_linear_backward"):
@@ -360,7 +360,7 @@ class ComputeCast:
             x2 = x2.to(self.dtype)
         out = torch.empty(x2.shape[0], out_features, dtype=self.dtype, device=x.device)
         with record_function("trainer_shard::compute_linear"):
-            for start, stop in _row_blocks(p, self.dtype):
+            for start, stop in _row_blocks(p):
                 w = self._pooled((stop - start, in_features), p.device)
                 w.copy_(p[start:stop])
                 torch.mm(x2, w.t(), out=out[:, start:stop])

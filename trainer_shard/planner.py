@@ -37,9 +37,11 @@ less for frozen weights and adds its adapters' inputs (the dropout's copies) and
 
 Compute dtype (`--compute_dtype`, `compute.py`): with 16-bit parameters computed in fp32 (`auto`
 on a CPU without 16-bit matrix kernels) the sharded strategies also hold the compute buffers,
-4 (L + R) bytes: the fp32 copies of one layer L (the largest `auto_wrap_units` layer, cast while it
-runs, pooled) and of the modules outside the layers R (ZeRO-3's root unit: T5's shared embedding);
-and the activations are probed in fp32. Under DDP fp32 compute is plain fp32 (no autocast).
+4 L + min(4 R, 2 C) bytes: the fp32 copies of one layer L (the largest `auto_wrap_units` layer,
+cast while it runs, pooled) and what is cast outside the layers, R elements (ZeRO-3's root unit:
+T5's shared embedding, whose table is never cast, and the lm_head that shares it, cast a block of
+C = 4 `CHUNK_NUMEL` bytes at a time (`compute.BLOCK_NUMEL`): a block and the last, shorter one); and the activations are
+probed in fp32. Under DDP fp32 compute is plain fp32 (no autocast).
 
 ZeRO-3 (`zero3_units`: the units `zero_dp_3 auto_wrap` makes of the meta-device model, by the
 rule of `zero3.auto_wrap_units`: one per class in its `_no_split_modules`, T5Block for T5): S sharded elements (every
@@ -465,11 +467,11 @@ def probe_modes(precision: str, compute: str | None = None) -> dict:
 
 
 def compute_buffer_bytes(strategy: str, precision: str, compute: str | None, units: "Units | None") -> int:
-    """The fp32 copies `compute.ComputeCast` holds (see the module docstring): 4 (L + R) bytes
-    where 16-bit parameters compute in fp32 under a sharded strategy, else 0."""
+    """The fp32 copies `compute.ComputeCast` holds (see the module docstring): 4 L + min(4 R, 2 C)
+    bytes where 16-bit parameters compute in fp32 under a sharded strategy, else 0."""
     if strategy == "ddp" or precision == "fp32" or compute != "fp32" or units is None:
         return 0
-    return 4 * (units.largest + units.root)
+    return 4 * units.largest + min(4 * units.root, 2 * 4 * CHUNK_NUMEL)
 
 
 def estimate(config, *, world_size: int, precision: str, batch_size: int, source_length: int, target_length: int,
