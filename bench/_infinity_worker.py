@@ -128,6 +128,7 @@ def main() -> None:
     from trainer_shard.demo import RandomT5Weights
     from trainer_shard.offload import OffloadSpec
     from trainer_shard.offload.param_store import ParamOffloadSpec
+    from trainer_shard.memory import map_large_blocks
     from trainer_shard.sharding import ShardedOptimizer, shard_model
     from trainer_shard.sharding.zero3_weights import checkpoint_weights
     from trainer_shard.training.stage3 import PeftNames
@@ -206,6 +207,7 @@ def main() -> None:
             units = [m for m in model.modules() if isinstance(m, T5Block)]
             cast = ComputeCast(model, dtype, units=units,
                                ensure_ready=sharded.gather_for_backward if sharded is not None else None)  # fmt: skip
+            notes["heap"] = f"C heap blocks of 1 MiB and more mapped apart: {map_large_blocks()}"  # as the Trainer does
     build_seconds = time.perf_counter() - began
     model.train()
     times, losses, io = [], [], []

@@ -4,6 +4,8 @@ fp32 model holding the same bf16-rounded weights, the pure bf16 run, the allocat
 live bytes (the profiler), and plain PyTorch checkpointing and autocast."""
 
 import copy
+import json
+import os
 
 import pytest
 import torch
@@ -421,3 +423,39 @@ def test_lora_adapters_over_frozen_bf16_linears_get_fp32_computed_gradients():
     assert set(grads) == set(ref_grads) and all("lora_" in n for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, ref_grads[name].to(BF16).float(), rtol=2e-2, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # processes of their own: glibc's threshold is the process's
+def test_large_blocks_mapped_apart_go_back_to_the_os_when_freed():
+    """After `map_large_blocks`, a 4 MiB tensor is mapped apart (freed: back to the OS), where
+    glibc, its threshold raised by an earlier 16 MiB free, would serve it from the heap, which
+    keeps it (what fp32 compute's per-layer blocks did: bench/results/infinity_compute_avx2.md)."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import ctypes, json, sys, torch
+        from trainer_shard.memory import map_large_blocks
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = Info
+        was_set = map_large_blocks() if sys.argv[1] == "set" else False
+        big = torch.empty(16 << 20, dtype=torch.uint8)
+        del big  # glibc's own threshold rises past 16 MiB on this free
+        before = libc.mallinfo2().hblkhd
+        block = torch.empty(4 << 20, dtype=torch.uint8)
+        print(json.dumps({"set": was_set, "mapped": libc.mallinfo2().hblkhd - before}))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    results = {}
+    for mode in ("set", "unset"):
+        done = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr
+        results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["unset"] == {"set": False, "mapped": 0}, results  # the heap's: kept when freed
+    assert results["set"]["set"] and results["set"]["mapped"] >= 4 << 20, results
+    user = subprocess.run([sys.executable, "-c", "from trainer_shard.memory import map_large_blocks; "
+                           "print(map_large_blocks())"], capture_output=True, text=True, timeout=120,
+                          env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"})  # fmt: skip
+    assert user.stdout.strip() == "False", user.stderr  # the user's own setting wins

@@ -136,7 +136,8 @@ def choose_compute_dtype(requested: str, storage_dtype: torch.dtype, device, *, 
 # buffers. A Linear outside the units (T5's `lm_head`, which shares the 32128-row embedding) is not
 # swapped at all: its forward casts p block by block too, so no whole fp32 copy of a large weight
 # is ever held. This took the peak RSS of a t5-large ZeRO-3 step with parameters, gradients and
-# optimizer state on disk from 3.22 to 2.57 GiB (bf16 compute: 1.97; infinity_compute_avx2.md).
+# optimizer state on disk from 3.22 to 2.57 GiB, and the Trainer's `memory.map_large_blocks` (the
+# fp32 blocks freed each layer go back to the OS) to 1.98 (bf16 compute: 1.97; infinity_compute_avx2.md).
 #
 # The forward's copies come from a pool keyed by (numel, dtype, device), which hands a buffer out
 # again only when nothing but the pool references its storage (a module that returns its weight,

@@ -6,7 +6,9 @@ decides what the matrix products run in. Where that is fp32 over 16-bit paramete
 CPU without 16-bit kernels), accelerate's autocast is turned off before it wraps the model, and:
 
 - under `--sharded_ddp` each layer's 16-bit parameters are cast to fp32 while it runs
-  (`compute.ComputeCast`, one unit at a time: ZeRO-3's units, else `auto_wrap_units`' layers);
+  (`compute.ComputeCast`, one unit at a time: ZeRO-3's units, else `auto_wrap_units`' layers),
+  and on the CPU glibc maps blocks of 1 MiB and more apart (`memory.map_large_blocks`), so that the
+  fp32 blocks each layer frees go back to the OS instead of growing the heap;
 - under DDP the parameters are fp32 already: the run is plain fp32.
 """
 
@@ -16,6 +18,7 @@ import torch
 
 from ..compute import ComputeCast, choose_compute_dtype, dtype_name
 from ..dtypes import half_dtype, precision
+from ..memory import MAPPED_FROM, map_large_blocks
 from ..sharding.zero3.selection import auto_wrap_units
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,9 @@ def install(trainer, model) -> None:
     sharded = trainer.sharded_model
     ensure_ready = sharded.gather_for_backward if sharded is not None else None
     trainer.compute_cast = ComputeCast(model, dtype, units=units, ensure_ready=ensure_ready)
+    mapped = trainer.args.device.type == "cpu" and map_large_blocks()  # the fp32 blocks freed each layer go back
     if trainer.args.process_index == 0:
-        logger.info("compute dtype %s: %d layers cast while they run (parameters stay %s)", dtype_name(dtype),
-                    len(units), dtype_name(next(p.dtype for p in model.parameters() if p.dtype != dtype)))  # fmt: skip
+        logger.info("compute dtype %s: %d layers cast while they run (parameters stay %s)%s", dtype_name(dtype),
+                    len(units), dtype_name(next(p.dtype for p in model.parameters() if p.dtype != dtype)),
+                    f"; C heap blocks of {MAPPED_FROM >> 20} MiB and more mapped apart, freed to the OS" if mapped
+                    else "")  # fmt: skip
