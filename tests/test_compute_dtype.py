@@ -459,3 +459,13 @@ def test_large_blocks_mapped_apart_go_back_to_the_os_when_freed():
                            "print(map_large_blocks())"], capture_output=True, text=True, timeout=120,
                           env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"})  # fmt: skip
     assert user.stdout.strip() == "False", user.stderr  # the user's own setting wins
+
+
+def test_remove_gives_the_linears_their_own_forward_back():
+    model, ids = Blocks().to(BF16), torch.randint(0, 50, (2, 5))
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    cast = ComputeCast(model, FP32, units=list(model.blocks))
+    assert all("forward" in m.__dict__ for m in linears) and model(ids).dtype == FP32
+    cast.remove()
+    assert not any("forward" in m.__dict__ for m in linears)
+    assert model(ids).dtype == BF16  # the module's own forward, on its bf16 weight

@@ -387,7 +387,9 @@ class ComputeCast:
             handle.remove()
         self._handles = []
         for module in self._linears:
-            del module.forward
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, functools.partial) and getattr(forward.func, "__self__", None) is self:
+                del module.forward  # ours, not wrapped since (accelerate's hooks wrap `forward` in place)
         self._linears = []
         for unit in self._units:
             func = unit.__dict__.get("_gradient_checkpointing_func")
