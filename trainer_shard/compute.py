@@ -16,6 +16,7 @@ See [Note: compute casts] for how no whole fp32 copy of the model is ever held.
 
 import contextlib
 import functools
+import math
 import time
 
 import torch
@@ -201,8 +202,7 @@ class _CastLinear(torch.autograd.Function):
         with record_function("trainer_shard::compute_linear_backward"):
             for start, stop in blocks:
                 if need_x:
-                    w = cast._pooled((stop - start, in_features), p.device)
-                    w.copy_(p[start:stop])
+                    w = cast._cast_rows(p, start, stop)
                     if grad_x is None:
                         grad_x = torch.mm(grad2, w)
                     else:
@@ -328,11 +328,12 @@ class ComputeCast:
 
     def _pooled(self, shape, device) -> torch.Tensor:
         """A contiguous `self.dtype` tensor of `shape` in a pooled buffer (contents undefined)."""
-        numel = 1
-        for size in shape:
-            numel *= size
-        storage = self._pool.take(numel, self.dtype, device)
+        storage = self._pool.take(math.prod(shape), self.dtype, device)
         return torch.empty(0, dtype=self.dtype, device=device).set_(storage, 0, shape)
+
+    def _cast_rows(self, p, start, stop) -> torch.Tensor:
+        """Rows start:stop of the weight p, cast into a pooled buffer."""
+        return self._pooled((stop - start, *p.shape[1:]), p.device).copy_(p[start:stop])
 
     def _linear_in_unit(self, module, x):
         """The forward of an nn.Linear inside a unit: `_CastLinear` with the unit's cast copy."""
@@ -362,8 +363,7 @@ class ComputeCast:
         out = torch.empty(x2.shape[0], out_features, dtype=self.dtype, device=x.device)
         with record_function("trainer_shard::compute_linear"):
             for start, stop in _row_blocks(p):
-                w = self._pooled((stop - start, in_features), p.device)
-                w.copy_(p[start:stop])
+                w = self._cast_rows(p, start, stop)
                 torch.mm(x2, w.t(), out=out[:, start:stop])
                 del w
         if bias is not None:

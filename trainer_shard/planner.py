@@ -39,9 +39,9 @@ Compute dtype (`--compute_dtype`, `compute.py`): with 16-bit parameters computed
 on a CPU without 16-bit matrix kernels) the sharded strategies also hold the compute buffers,
 4 L + min(4 R, 2 C) bytes: the fp32 copies of one layer L (the largest `auto_wrap_units` layer,
 cast while it runs, pooled) and what is cast outside the layers, R elements (ZeRO-3's root unit:
-T5's shared embedding, whose table is never cast, and the lm_head that shares it, cast a block of
-C = 4 `CHUNK_NUMEL` bytes at a time (`compute.BLOCK_NUMEL`): a block and the last, shorter one); and the activations are
-probed in fp32. Under DDP fp32 compute is plain fp32 (no autocast).
+T5's shared embedding, whose table is never cast, and the lm_head that shares it, cast C = 4
+`CHUNK_NUMEL` bytes of rows at a time, `compute.BLOCK_NUMEL`: a block and the last, shorter one);
+and the activations are probed in fp32. Under DDP fp32 compute is plain fp32 (no autocast).
 
 ZeRO-3 (`zero3_units`: the units `zero_dp_3 auto_wrap` makes of the meta-device model, by the
 rule of `zero3.auto_wrap_units`: one per class in its `_no_split_modules`, T5Block for T5): S sharded elements (every
