@@ -210,14 +210,16 @@ def main() -> None:
             notes["heap"] = f"C heap blocks of 1 MiB and more mapped apart: {map_large_blocks()}"  # as the Trainer does
     build_seconds = time.perf_counter() - began
     model.train()
-    times, losses, io = [], [], []
+    times, phases, losses, io = [], [], [], []
     steps = 1 if args.row == "zero3_fwd_bwd" else args.steps
     for step in range(steps):
         ids = batches[step % len(batches)]
         before = stats(stores)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
+        forward_done = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         if opt is not None:
             if isinstance(opt, ShardedOptimizer):
                 opt.clip_grad_norm(1.0)
@@ -226,12 +228,15 @@ def main() -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        phases.append({"forward": forward_done - start, "backward": backward_done - forward_done,
+                       "optimizer": start + times[-1] - backward_done})  # fmt: skip
         losses.append(float(loss.detach()))
         after = stats(stores)
         io.append({k: after[k] - before[k] for k in after})
-        print(f"step {step}: {times[-1]:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
+        split = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases[-1].items())
+        print(f"step {step}: {times[-1]:.2f} s ({split}), loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     result = {"row": args.row, "arch": args.arch, "parameters": sum(p.numel() for p in model.parameters()),
-              "build_seconds": build_seconds, "step_seconds": times, "losses": losses, "io": io,
+              "build_seconds": build_seconds, "step_seconds": times, "phase_seconds": phases, "losses": losses, "io": io,
               "peak_rss": peak_rss(), "compute": compute, "notes": notes}  # fmt: skip
     if cast is not None:
         result["compute_pool_bytes"] = cast.pool_bytes()

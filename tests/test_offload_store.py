@@ -307,6 +307,49 @@ def test_without_a_sigbus_handler_map_gives_copies(tmp_path, monkeypatch, caplog
     store.close()
 
 
+def _write_faults(tensor) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tensor.add_(1.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not hasattr(__import__("mmap").mmap, "madvise"), reason="no madvise on this platform")
+def test_map_faults_the_pages_in_writable_and_falls_back_where_the_kernel_refuses(tmp_path, monkeypatch):
+    """The step writes every page it maps: `map` populates them writable (MADV_POPULATE_WRITE), so
+    the step's writes do not trap once a page to mark it dirty; a kernel that refuses the advice
+    (before Linux 5.14) gets MAP_POPULATE, and the writes fault as they did."""
+    from trainer_shard.offload import store as store_module
+
+    monkeypatch.setattr(store_module, "copy_on_write", lambda path: None)
+    monkeypatch.setattr(store_module, "_populate_write", [True])
+    pages = 1024  # 4 MiB of fp32
+    store = DiskStore({"0.master": pages * 1024}, tmp_path / "nvme")
+    for page in range(pages):  # a page at a time: page-sized folios, as the step's chunks leave them
+        store.write("0.master", page * 1024, torch.full((1024,), 2.0))
+
+    def mapped_clean():  # written back: a shared mapping's first write to a clean page traps, to dirty it
+        fd = os.open(store.folder / "0.master.f32", os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        return store.map("0.master", 0, pages * 1024)
+
+    tensor, mapping = mapped_clean()
+    populated = _write_faults(tensor)
+    del tensor
+    store.unmap(mapping)
+    monkeypatch.setattr(store_module, "_MADV_POPULATE_WRITE", 1_000_003)  # advice no kernel knows: EINVAL
+    tensor, mapping = mapped_clean()
+    assert store_module._populate_write == [False]  # refused once: MAP_POPULATE from now on
+    faulted = _write_faults(tensor)
+    del tensor
+    store.unmap(mapping)
+    assert populated < pages // 10 and faulted > pages // 2, (populated, faulted)
+    assert store.read("0.master", 0, torch.empty(pages * 1024)).eq(4.0).all()  # both writes reached the file
+    store.close()
+
+
 SIGBUS_ON_A_MAPPED_PAGE = """
 import os, sys, torch
 from trainer_shard.offload import store

@@ -54,8 +54,9 @@ outlives the process that made it except after SIGKILL:
 moments and writes every byte back. Through `pread`/`pwrite` that is two copies between the page
 cache and a buffer (t5-large: 17.7 GB a step; by hand, vmstat showed 60% of 2 cores in the
 kernel while it stepped). `map` gives the step a chunk's own page-cache pages instead (a
-shared mapping of its file range, populated on the reader thread), the optimizer updates them in
-place, and `unmap` hands them back dirty: no copy, and the kernel writes them back. Only the
+shared mapping of its file range, populated writable on the reader thread: `_populate_writable`), the
+optimizer updates them in place, and `unmap` hands them back dirty: no copy, and the kernel writes
+them back. Only the
 chunks in flight are mapped (at most one more than `buffer_count`), so the mapped pages count in
 RSS as the chunk buffers did, which are then not made.
 
@@ -297,9 +298,10 @@ class DiskStore:
         self._written_back(name, offset, nbytes)
         began = time.perf_counter()
         try:
-            mapping = mmap.mmap(self._fds[name], nbytes, flags=mmap.MAP_SHARED | _POPULATE, offset=offset)
+            mapping = mmap.mmap(self._fds[name], nbytes, flags=mmap.MAP_SHARED | _populate_flag(), offset=offset)
         except OSError as e:
             raise self._failed("map", name, offset, nbytes, e) from None
+        _populate_writable(mapping)
         tensor = torch.frombuffer(mapping, dtype=dtype, count=numel)
         self._watch(mapping, tensor.data_ptr(), name, offset, nbytes)
         self._count("read", nbytes, began)
@@ -877,6 +879,30 @@ _MADE_HERE = ".made-by-trainer_shard"
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the pages in at mmap, on the caller's thread
+_MADV_POPULATE_WRITE = 23  # Linux 5.14: fault the pages in writable (and dirty), in one call
+_populate_write = [hasattr(mmap.mmap, "madvise")]  # until the kernel refuses it once (EINVAL before 5.14)
+
+
+def _populate_flag() -> int:
+    """MAP_POPULATE where `_populate_writable` cannot populate the mapping instead."""
+    return 0 if _populate_write[0] else _POPULATE
+
+
+def _populate_writable(mapping) -> None:
+    """Fault a new shared mapping's pages in writable, on the caller's (reader) thread, where the
+    kernel can: MAP_POPULATE maps a shared file's pages read-only, and the step's first write to
+    each page then traps once more for the kernel to mark it dirty (t5-large: 2.2 million faults a
+    step on the thread that steps). The step writes every page it maps, so nothing is dirtied
+    that would not be. Where the kernel refuses (before Linux 5.14), the mappings after it are
+    made with MAP_POPULATE instead and this one faults on first touch. An I/O error here is left
+    to the touch, where the SIGBUS handler names it."""
+    if not _populate_write[0]:
+        return
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            _populate_write[0] = False
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE = 1, 2
 
 
