@@ -236,8 +236,8 @@ def main() -> None:
         split = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases[-1].items())
         print(f"step {step}: {times[-1]:.2f} s ({split}), loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     result = {"row": args.row, "arch": args.arch, "parameters": sum(p.numel() for p in model.parameters()),
-              "build_seconds": build_seconds, "step_seconds": times, "phase_seconds": phases, "losses": losses, "io": io,
-              "peak_rss": peak_rss(), "compute": compute, "notes": notes}  # fmt: skip
+              "build_seconds": build_seconds, "step_seconds": times, "phase_seconds": phases, "losses": losses,
+              "io": io, "peak_rss": peak_rss(), "compute": compute, "notes": notes}  # fmt: skip
     if cast is not None:
         result["compute_pool_bytes"] = cast.pool_bytes()
         cast.remove()
