@@ -6,6 +6,7 @@ live bytes (the profiler), and plain PyTorch checkpointing and autocast."""
 import copy
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -425,6 +426,9 @@ def test_lora_adapters_over_frozen_bf16_linears_get_fp32_computed_gradients():
         torch.testing.assert_close(grad, ref_grads[name].to(BF16).float(), rtol=2e-2, atol=1e-5, msg=name)
 
 
+MEMORY_PY = Path(__file__).resolve().parents[1] / "trainer_shard" / "memory.py"
+
+
 @pytest.mark.slow  # processes of their own: glibc's threshold is the process's
 def test_large_blocks_mapped_apart_go_back_to_the_os_when_freed():
     """After `map_large_blocks`, a 4 MiB tensor is mapped apart (freed: back to the OS), where
@@ -433,9 +437,12 @@ def test_large_blocks_mapped_apart_go_back_to_the_os_when_freed():
     import subprocess
     import sys
 
-    code = """if True:
+    load = (f"import importlib.util; spec = importlib.util.spec_from_file_location('memory', {str(MEMORY_PY)!r}); "
+            "memory = importlib.util.module_from_spec(spec); spec.loader.exec_module(memory); "
+            "map_large_blocks = memory.map_large_blocks")  # the module alone: the package's imports take seconds
+    code = load + """
+if True:
         import ctypes, json, sys, torch
-        from trainer_shard.memory import map_large_blocks
         class Info(ctypes.Structure):
             _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
         libc = ctypes.CDLL("libc.so.6")
@@ -455,8 +462,8 @@ def test_large_blocks_mapped_apart_go_back_to_the_os_when_freed():
         results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["unset"] == {"set": False, "mapped": 0}, results  # the heap's: kept when freed
     assert results["set"]["set"] and results["set"]["mapped"] >= 4 << 20, results
-    user = subprocess.run([sys.executable, "-c", "from trainer_shard.memory import map_large_blocks; "
-                           "print(map_large_blocks())"], capture_output=True, text=True, timeout=120,
+    user = subprocess.run([sys.executable, "-c", load + "; print(map_large_blocks())"], capture_output=True,
+                          text=True, timeout=120,
                           env={**env, "MALLOC_MMAP_THRESHOLD_": "65536"})  # fmt: skip
     assert user.stdout.strip() == "False", user.stderr  # the user's own setting wins
 

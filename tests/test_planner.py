@@ -449,7 +449,7 @@ def test_auto_refuses_what_it_would_override(tmp_path):
 
 
 @pytest.mark.slow
-def test_estimate_command_prints_every_strategy(tiny_model):
+def test_estimate_command_prints_every_strategy(tiny_model, capsys):
     proc = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--world_size",
                            "2", "--precision", "bf16", "--no_probe", "--max_memory", "24GiB", "--batch_size", "4"],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
@@ -458,25 +458,26 @@ def test_estimate_command_prints_every_strategy(tiny_model):
     assert proc.stdout.count("| zero_dp_2 |") == 3 + 1 and "| ddp | none |" in proc.stdout  # + the load rows' column
     assert proc.stdout.count("| zero_dp_3 |") == 4 + 1 and "zero_dp_3 (auto_wrap): one unit per T5Block" in proc.stdout
     assert "Compute dtype " in proc.stdout  # auto: what it measured and chose on this CPU
+    # the rest in this process (the entry point is the one above; each import of it costs seconds)
+    from trainer_shard import cli
+
     sizes = {}
     for compute in ("bf16", "fp32"):  # forced: the fp32 copies of a layer counted for the sharded rows only
-        out = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--precision",
-                              "bf16", "--no_probe", "--compute_dtype", compute], capture_output=True, text=True,
-                             cwd=ROOT).stdout  # fmt: skip
+        assert cli.main(["estimate", "--model", "t5-3b", "--precision", "bf16", "--no_probe", "--compute_dtype",
+                         compute]) == 0  # fmt: skip
+        out = capsys.readouterr().out
         assert f"Compute dtype {compute}: as asked" in out
         sizes[compute] = {tuple(r[:2]): float(r[2]) for r in re.findall(r"\| (\w+) \| (\w+) \| ([\d.]+) \|", out)}
-    # each estimate counts its own process's RSS (--no_probe): two processes differ by a few MiB
+    # both estimates count this process's RSS (--no_probe), the same but for what each allocates
     assert abs(sizes["fp32"][("ddp", "none")] - sizes["bf16"][("ddp", "none")]) <= 0.05
     assert all(sizes["fp32"][k] > sizes["bf16"][k] + 0.05 for k in sizes["bf16"] if k[0] != "ddp")  # >= 0.3 GiB
-    bad = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-3b", "--max_memory",
-                          "lots"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert bad.returncode == 2 and "must be a size" in bad.stderr
+    assert cli.main(["estimate", "--model", "t5-3b", "--max_memory", "lots"]) == 2
+    assert "must be a size" in capsys.readouterr().err
     import torch
 
     if not torch.cuda.is_available():
-        gpu = subprocess.run([sys.executable, "-m", "trainer_shard.cli", "estimate", "--model", "t5-small", "--device",
-                              "cuda"], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-        assert gpu.returncode == 2 and "no CUDA device" in gpu.stderr
+        assert cli.main(["estimate", "--model", "t5-small", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
 
 
 def _peft_trainable(config, **lora) -> tuple:
