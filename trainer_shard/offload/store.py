@@ -281,11 +281,11 @@ class DiskStore:
 
     def map(self, name: str, start: int, numel: int):
         """Elements [start, start + numel) of `name` as a tensor on the file's page-cache pages,
-        read in (`MAP_POPULATE`) before it returns, with the mapping to give to `unmap`: (tensor,
-        mapping). The range must start on a page boundary and hold an element at least (else
-        `read`/`write` it). Writes to the tensor are writes to the file. On a copy-on-write
-        filesystem, or where no SIGBUS handler could be built, the tensor is a copy that `unmap`
-        writes back. See [Note: stepping on mapped pages]."""
+        faulted in writable (`_populate_writable`) before it returns, with the mapping to give to
+        `unmap`: (tensor, mapping). The range must start on a page boundary and hold an element at
+        least (else `read`/`write` it). Writes to the tensor are writes to the file. On a
+        copy-on-write filesystem, or where no SIGBUS handler could be built, the tensor is a copy
+        that `unmap` writes back. See [Note: stepping on mapped pages]."""
         self._raise_pending()
         dtype = _numel_dtype(self.sizes[name])[1]
         offset, nbytes = start * dtype.itemsize, numel * dtype.itemsize
