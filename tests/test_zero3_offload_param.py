@@ -90,7 +90,7 @@ def held_between_units(rank, world_size, tmp):
 def test_param_offload_holds_at_most_buffer_count_units(tmp_path):
     """Between units a rank holds at most buffer_count x the largest unit (plus the persistent
     parameters), by the engine's account, and its RSS agrees."""
-    spawn(held_between_units, 1, str(tmp_path))
+    spawn(held_between_units, 1, str(tmp_path), fresh=True)  # it measures its process's RSS
 
 
 def test_meta_model_loads_a_tensor_at_a_time_into_the_store(tmp_path):

@@ -126,4 +126,4 @@ def bytes_freed_by_sharding(rank, world_size):
 def test_sharding_frees_what_the_engine_says_it_does():
     """2 ranks, 128 MiB of fp32 parameters: a rank keeps at most ceil(P/2) of the sharded ones
     plus the persistent ones, and its RSS changes by what the engine's accounting says."""
-    spawn(bytes_freed_by_sharding, 2)
+    spawn(bytes_freed_by_sharding, 2, fresh=True)  # it measures its processes' RSS
