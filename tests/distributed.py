@@ -120,7 +120,8 @@ class _Ranks:
                 break
         if errors:
             self.close()
-            raise RanksFailed(f"{fn.__name__} failed:\n" + "\n".join(f"-- rank {r}:\n{e}" for r, e in sorted(errors.items())))
+            said = "\n".join(f"-- rank {rank}:\n{error}" for rank, error in sorted(errors.items()))
+            raise RanksFailed(f"{fn.__name__} failed:\n{said}")
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
