@@ -137,6 +137,20 @@ def disk_lines(results: dict, bandwidth: dict | None) -> list:
     return lines
 
 
+def paired_lines(results: dict) -> list:
+    """Each interleaved row against plain fp32 run in the same round (the machine's drift hits both)."""
+    base = (results.get("fp32") or {}).get("rounds") or []
+    lines = []
+    for row in ROUNDED:
+        runs = (results.get(row) or {}).get("rounds") or []
+        if row == "fp32" or len(runs) < 2 or len(runs) != len(base):
+            continue
+        ratios = [ours / plain for ours, plain in zip(runs, base)]
+        lines.append(f"- {ROWS[row][0]}, against plain fp32 of the same round: "
+                     f"{', '.join(f'{x:.2f}x' for x in ratios)} (median {median(ratios):.2f}x)")  # fmt: skip
+    return ["", "Per round:", "", *lines] if lines else []
+
+
 def table(results: dict, adam: dict, args, bandwidth: dict | None = None) -> str:
     base = results.get("fp32")
     base = base if base and "skipped" not in base else None
@@ -147,15 +161,15 @@ def table(results: dict, adam: dict, args, bandwidth: dict | None = None) -> str
         f"{args.batch}, source/target length 32, {args.steps} steps; step time: median of steps 3-{args.steps}. "
         "Peak RSS: the row's process (ru_maxrss), from start to end, model load included. "
         f"Rows {', '.join(ROUNDED)}: {args.rounds} runs each, interleaved, the run with the median step time "
-        "shown (each run's in `rounds` in offload.json).",
+        "shown (each run's in `rounds` in offload.json), with the spread of the runs (min-max).",
         "",
-        "| run | step time (s) | vs fp32 | peak RSS (GiB) | vs fp32 | offloaded state | final loss |",
-        "|---|---|---|---|---|---|---|",
+        "| run | step time (s) | spread (s) | vs fp32 | peak RSS (GiB) | vs fp32 | offloaded state | final loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row, r in results.items():
         name = ROWS[row][0]
         if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} |  |  |  |  |  |")
+            lines.append(f"| {name} | skipped: {r['skipped']} |  |  |  |  |  |  |")
             continue
 
         def ratio(key):
@@ -164,8 +178,11 @@ def table(results: dict, adam: dict, args, bandwidth: dict | None = None) -> str
         offload = r.get("offload") or {}
         where = f"{gb(offload['offload_bytes'])} GiB in {offload['offload_device']}" if "offload_bytes" in offload else "-"
         loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.4f}"
-        lines.append(f"| {name} | {r['median_step_s']:.2f} | {ratio('median_step_s')} | {gb(r['peak_rss_bytes'])} "
-                     f"| {ratio('peak_rss_bytes')} | {where} | {loss} |")  # fmt: skip
+        runs = r.get("rounds") or []
+        spread = f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else "-"
+        lines.append(f"| {name} | {r['median_step_s']:.2f} | {spread} | {ratio('median_step_s')} "
+                     f"| {gb(r['peak_rss_bytes'])} | {ratio('peak_rss_bytes')} | {where} | {loss} |")  # fmt: skip
+    lines += paired_lines(results)
     lines += disk_lines(results, bandwidth)
     if adam:
         numel = next((r["numel"] for r in adam.values() if "numel" in r), 0)
