@@ -68,6 +68,8 @@ CONFIGS = {
 
 
 def ensure_model() -> None:
+    if not (DATA / "train.source").exists():  # a fresh checkout: the demo data made here, as make demo does
+        run([PY, ROOT / "scripts" / "make_demo_data.py", "--out_dir", DATA])
     if not (MODEL / "config.json").exists():
         run([PY, ROOT / "scripts" / "build_demo_model.py", "--data_dir", DATA, "--out_dir", MODEL, "--d_model", "1024",
              "--d_ff", "4096", "--num_layers", "24", "--num_heads", "16", "--d_kv", "64", "--model_vocab_size", "32128"])  # fmt: skip
