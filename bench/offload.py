@@ -26,7 +26,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infinity import disk_bandwidth  # noqa: E402
 from sharding import DATA, PY, RESULTS, ROOT, VENV, WORK, ensure_env, run, train_flags  # noqa: E402
-from _results import write_markdown  # noqa: E402
+from _results import cpu_name, write_markdown  # noqa: E402
 
 MODEL = WORK / "t5-large-arch"
 # the optimizer-step rows (see _offload_worker.adam): clipped at 1.0 (the default) and unclipped
@@ -159,7 +159,8 @@ def table(results: dict, adam: dict, args, bandwidth: dict | None = None) -> str
     ran = [r for r in results.values() if "skipped" not in r]
     params = ran[0]["parameters"] if ran else 0
     lines = [
-        f"One process, {os.cpu_count()} CPU cores, T5 of {params / 1e6:.0f} M parameters (random init), batch "
+        f"CPU: {cpu_name()}. One process, {os.cpu_count()} CPU cores, T5 of {params / 1e6:.0f} M parameters "
+        f"(random init), batch "
         f"{args.batch}, source/target length 32, {args.steps} steps; step time: median of steps 3-{args.steps}. "
         "Peak RSS: the row's process (ru_maxrss), from start to end, model load included. "
         f"Rows {', '.join(ROUNDED)}: {args.rounds} runs each, interleaved, the run with the median step time "
