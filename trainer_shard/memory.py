@@ -34,7 +34,9 @@ def map_large_blocks(threshold: int = MAPPED_FROM) -> bool:
     1-16 MiB (activations, their gradients, products), and with glibc's rising threshold they come
     from the heap, which keeps them: a t5-large ZeRO-3 step with everything on disk peaked at 2.57
     GiB, and at 1.98 GiB with blocks mapped apart (bf16 compute: 1.97; bench/results/
-    infinity_compute_avx2.md). Each such block is faulted in anew; the step was no slower.
+    infinity_compute_avx2.md). Each such block is faulted in anew, which costs time: the same run
+    with a heap kept instead (MALLOC_MMAP_THRESHOLD_ 256 MiB, MALLOC_TRIM_THRESHOLD_ 8 GiB) took 13.13 s a step
+    against 14.37 s, at 2.53 GiB against 1.79 (one run each, by hand); RSS was the bound to meet.
     Free space glibc's heap already holds serves the requests that fit it first: call it early."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
