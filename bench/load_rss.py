@@ -10,14 +10,16 @@ weights' bytes, and the node's summed RSS (both ranks, sampled every 20 ms).
 Rows (each a torchrun of 2 ranks on gloo; its baseline run right before it):
 - predict: `--sharded_ddp "zero_dp_3 auto_wrap" --do_predict --predict_with_generate` only.
 - train: one training step, `"zero_dp_3 auto_wrap"` with the optimizer state on disk
-  (an --offload config: offload_optimizer nvme).
+  (an --offload config: offload_optimizer nvme, and the stage-3 sizes "auto" as in Hugging Face's
+  documented ZeRO-3 config); the gradient shards go to disk beside the optimizer's state.
 - train_bf16: the same step with `--bf16` (the fp32 checkpoint read into bf16 parameters, fp32
   masters and moments on disk, gradient shards in bf16).
 - train_params_disk: the same step with the parameter and gradient shards on disk too
   (offload_param nvme, max_in_cpu 0: DeepSpeed's default keeps 1e9 elements in RAM): what a rank
   holds in RAM is then the units at work.
-- auto: `--sharded_ddp auto` and one step, with a max_memory between the planner's zero_dp_3
-  and zero_dp_2 rows (meta-device estimate): the run must choose zero_dp_3.
+- auto: `--sharded_ddp auto` and one step, with a max_memory that only zero_dp_3 fits (below
+  every other strategy's row of the planner, above a zero_dp_3 row; meta-device estimate): the
+  run must choose zero_dp_3 before loading, and so load no rank's model whole.
 Each rank records its peak RSS (VmHWM) right after the Trainer is built (the load) and at the
 end. Not a test: minutes, and 6 GB of disk. Run nothing else meanwhile.
 """
@@ -144,7 +146,10 @@ def row_flags(row: str, paths: dict, folder: Path, model: Path) -> list:
     if row == "predict":
         return [*flags, "--sharded_ddp", "zero_dp_3 auto_wrap", "--do_predict", "--predict_with_generate"]
     if row in ("train", "train_bf16", "train_params_disk"):
-        zero = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(folder / "store")}}
+        # the stage-3 keys Hugging Face's documented ZeRO-3 config sets to "auto" (the Trainer fills
+        # them from the hidden size: 0.9 h^2 elements prefetched, layers of at most 10 h kept whole)
+        zero = {"stage": 3, "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                "offload_optimizer": {"device": "nvme", "nvme_path": str(folder / "store")}}  # fmt: skip
         if row == "train_params_disk":
             zero["offload_param"] = {"device": "nvme", "nvme_path": str(folder / "store"), "max_in_cpu": 0}
         config = folder / f"{row}.json"
@@ -157,18 +162,23 @@ def row_flags(row: str, paths: dict, folder: Path, model: Path) -> list:
 
 
 def auto_budget(model: Path, folder: Path) -> tuple:
-    """A max_memory a rank between the planner's zero_dp_3 and zero_dp_2 rows for this model (2
-    ranks, fp32, batch 2, 32 / 16 tokens, meta-device activations), written to budget.json."""
+    """A max_memory a rank that only zero_dp_3 fits, by the planner's rows for this model (2 ranks,
+    fp32, batch 2, 32 / 16 tokens, meta-device activations): halfway between the smallest row of
+    any other strategy and the largest zero_dp_3 row below it; written to budget.json. Returns
+    (budget, (that zero_dp_3 row, its bytes), (that other row, its bytes))."""
     from transformers import AutoConfig
 
     from trainer_shard import planner
 
     rows = planner.estimate(AutoConfig.from_pretrained(model), world_size=2, precision="fp32", batch_size=2,
                             source_length=32, target_length=16)  # fmt: skip
-    per = {(r["strategy"], r["offload"]): r["per_rank"] for r in rows}
-    budget = (per[("zero_dp_3", "none")] + per[("zero_dp_2", "none")]) // 2
+    per = {f"{r['strategy']}" + ("" if r["offload"] == "none" else f" + {r['offload']} offload"): r["per_rank"]
+           for r in rows}  # fmt: skip
+    other = min((v, k) for k, v in per.items() if not k.startswith("zero_dp_3"))
+    fits = max((v, k) for k, v in per.items() if k.startswith("zero_dp_3") and v < other[0])
+    budget = (fits[0] + other[0]) // 2
     (folder / "budget.json").write_text(json.dumps({"max_memory": {"cpu": str(budget)}}))
-    return budget, per[("zero_dp_3", "none")], per[("zero_dp_2", "none")]
+    return budget, fits[::-1], other[::-1]
 
 
 def table(results: list) -> str:
@@ -200,9 +210,10 @@ def main() -> None:
     results, notes = [], []
     for row in args.rows:
         if row == "auto":
-            budget, zero3, zero2 = auto_budget(paths["model"], args.folder)
-            notes.append(f"auto: max_memory {budget / GIB:.2f} GiB a rank, between the planner's zero_dp_3 "
-                         f"({zero3 / GIB:.2f} GiB) and zero_dp_2 ({zero2 / GIB:.2f} GiB) rows")  # fmt: skip
+            budget, fits, other = auto_budget(paths["model"], args.folder)
+            notes.append(f"auto: max_memory {budget / GIB:.2f} GiB a rank, between the planner's {fits[0]} "
+                         f"({fits[1] / GIB:.2f} GiB) and {other[0]} ({other[1] / GIB:.2f} GiB, the smallest row "
+                         "of a strategy other than zero_dp_3) rows: only zero_dp_3 fits")  # fmt: skip
         runs = {}
         for kind, model in (("baseline", paths["baseline"]), ("run", paths["model"])):
             out = args.folder / f"out_{row}_{kind}"

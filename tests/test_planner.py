@@ -86,7 +86,11 @@ def test_zero3_bytes_per_part():
     cpu = planner.strategy_bytes("zero_dp_3", "cpu", 408, 408, 2, "bf16", units)
     assert cpu == {"device": sum(parts.values()) - parts["optimizer"] - 400, "cpu": parts["optimizer"], "disk": 0}
     disk = planner.strategy_bytes("zero_dp_3", "disk", 408, 408, 2, "fp32", units)
-    assert disk["disk"] == 200 * (4 + 8) and disk["cpu"] == planner.DISK_BUFFERS  # fp32 offloaded: a master too
+    # fp32 offloaded: a master too; the gradient shards on disk beside it, in RAM the slices of the
+    # largest unit (140 elements, 70 a rank) being written and the next
+    assert disk["disk"] == 200 * (4 + 8) + 200 * 4 and disk["cpu"] == planner.DISK_BUFFERS + 2 * 4 * 70
+    on_device = planner.zero3_parts("disk", units, 2, 4)
+    assert disk["device"] == sum(on_device.values()) - on_device["optimizer"] - on_device["grad_shards"]
     assert planner.zero3_parts(None, units, 2, 4)["optimizer"] == 200 * 8  # fp32: the shard is the parameter
     wide = planner.Units((160,), 0, 0, 16)
     assert planner.zero3_parts(None, wide, 16, 2)["buckets"] == 3 * 4 * 160  # over 8 ranks reduced in fp32

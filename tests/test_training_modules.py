@@ -20,6 +20,7 @@ from test_sharded_optimizer import make_model
 from trainer_shard import ArgumentError, DistributedSetupError, OffloadSpec, OffloadStoreError, ShardedTrainer
 from trainer_shard.checkpoint import MANIFEST, STAGING, manifest_problems, save_model
 from trainer_shard.disk import format_bytes
+from trainer_shard.offload.param_store import ParamOffloadSpec
 from trainer_shard.errors import CheckpointError, ConfigError
 from trainer_shard.sharding import ShardedOptimizer, state_io
 from trainer_shard.config import apply as config_apply
@@ -76,6 +77,31 @@ def test_disk_room_is_checked_before_training(tmp_path, monkeypatch):
     monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=needed))
     plan.check_disk_room(spec, model, 2, rank=0, world_size=2)
     plan.check_disk_room(OffloadSpec("cpu"), model, 2, rank=0, world_size=2)  # nothing on disk
+
+
+def test_disk_room_at_stage_3_counts_the_gradient_shards_beside_the_optimizer(tmp_path, monkeypatch):
+    """[Note: gradient store]: ZeRO-3 with the optimizer on disk writes its gradient shards there too,
+    in the gradients' dtype (fp32; bf16 with --bf16); not with the parameter store on disk (it holds
+    them), nor at stage 2."""
+    model = make_model()
+    numel = sum(p.numel() for p in model.parameters())
+    spec = OffloadSpec("nvme", nvme_path=str(tmp_path))
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}))
+    config = load_config(path)
+    fp32, bf16 = SimpleNamespace(bf16=False, fp16=False), SimpleNamespace(bf16=True, fp16=False)
+    grads = plan.grad_store_bytes(3, spec, None, model, 2, fp32, config)
+    assert grads == 4 * -(-numel // 2) and plan.grad_store_bytes(3, spec, None, model, 2, bf16, config) == grads // 2
+    assert plan.grad_store_bytes(2, spec, None, model, 2, fp32, config) == 0
+    assert plan.grad_store_bytes(3, OffloadSpec("cpu"), None, model, 2, fp32, config) == 0
+    params = ParamOffloadSpec("nvme", nvme_path=str(tmp_path))  # the parameter store holds them
+    assert plan.grad_store_bytes(3, spec, params, model, 2, fp32, config) == 0
+    needed = 4 * 3 * -(-numel // 2) + grads
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=needed - 1))
+    with pytest.raises(OffloadStoreError, match=f"needs {needed:,} bytes.*and the gradient shards do not fit"):
+        plan.check_disk_room(spec, model, 2, rank=0, world_size=2, grad_bytes=grads)
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 40, used=0, free=needed))
+    plan.check_disk_room(spec, model, 2, rank=0, world_size=2, grad_bytes=grads)
 
 
 # ---- build ------------------------------------------------------------------------------------

@@ -42,6 +42,10 @@ def train(rank, world_size, units, offload=None, param_offload=None):
         if param_offload is not None and param_offload.device == "nvme":  # max_in_cpu 0 here: nothing in memory
             assert held["shards"] == held["grad_shards"] == 0 and held["on_disk"] > 0
             assert sharded.store.disk.stats["read_bytes"] > 0 and sharded.store.disk.stats["write_bytes"] > 0
+        elif offload is not None and offload.device == "nvme":  # the gradient shards on disk beside the state
+            assert held["grad_shards"] == 0 and held["on_disk"] > 0
+            stats = sharded.grad_store.disk.stats
+            assert stats["write_bytes"] >= held["on_disk"] and stats["read_bytes"] >= held["on_disk"]
     return sharded.full_state_dict(), norms
 
 

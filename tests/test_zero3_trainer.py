@@ -44,20 +44,28 @@ def assert_matches(out, reference, ranks, atol=1e-6):
     return held
 
 
-@pytest.mark.parametrize("case", ["auto_wrap offload", "shipped config"])
+@pytest.mark.parametrize("case", ["auto_wrap offload", "auto_wrap disk", "shipped config"])
 def test_matches_ddp(ddp_run, tiny_model, tiny_data, tmp_path, case):
     """One unit per T5Block, every parameter sharded (the 32-element layer norms too, padded),
-    the optimizer state in CPU RAM; and configs/zero3.json as shipped (units from the config,
-    prefetch and persistence "auto" from the hidden size: the matrices sharded, the layer norms
-    whole). Without auto_wrap and offload: the resume test."""
+    the optimizer state in CPU RAM, or on disk with the gradient shards beside it ([Note: gradient
+    store]: written in backward, accumulated over micro-batches there, clipped and stepped from
+    there); and configs/zero3.json as shipped (units from the config, prefetch and persistence
+    "auto" from the hidden size: the matrices sharded, the layer norms whole). Without auto_wrap
+    and offload: the resume test."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "store")}
     extra = {"auto_wrap offload": ["--sharded_ddp", "zero_dp_3 auto_wrap",
                                    *small_units(tmp_path, offload_optimizer={"device": "cpu"})],
+             "auto_wrap disk": ["--sharded_ddp", "zero_dp_3 auto_wrap",
+                                *small_units(tmp_path, offload_optimizer=nvme)],
              "shipped config": ["--offload", ROOT / "configs" / "zero3.json"]}[case]  # fmt: skip
     out = tmp_path / "out"
     proc = run_script(train_flags(tiny_model, tiny_data, out, *extra), nproc=2, script=DUMP)
     assert_ok(proc)
     held = assert_matches(out, ddp_run, 2)
     assert (held["persistent"] == 0) == (case != "shipped config")
+    if case == "auto_wrap disk":  # no gradient shard in RAM: all of them in the files
+        assert held["grad_shards"] == 0 and held["on_disk"] >= held["shards"], held
+        assert not (tmp_path / "store").exists()  # the stores' folders go when the run ends
 
 
 @pytest.mark.parametrize("precision", ["--bf16", "--fp16"])

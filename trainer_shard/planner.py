@@ -13,7 +13,7 @@ trainer_shard implements it:
 | `simple` (ZeRO-1) | w A | w P `.grad` + w P DDP buckets + shard 4 P/N (w = 4: none, views of `.grad`) | (4 if w = 2) P/N master + 8 P/N | w A + 4 T |
 | `zero_dp_2` (ZeRO-2) | w A | shard 4 P/N + up to 3 reduce buckets | as `simple` | w A + 4 T |
 | `zero_dp_3` (ZeRO-3) | w S/N + w K + gathered | shard 4 S/N + w K + 3 unit buckets | as `simple` on S; 2 w K | w S/N + w K + w U + 4 T |
-| + offload cpu / disk | | the shard in w bytes (16-bit default) | master and moments in CPU RAM / on disk | as without |
+| + offload cpu / disk | | the shard in w bytes (16-bit default); `zero_dp_3` + disk: on disk (w S/N) + 3 unit buckets + 2 units' slices | master and moments in CPU RAM / on disk | as without |
 | `zero_dp_3` + offload `disk_params` | on disk (w S/N); `buffer_count` units gathered + w K | on disk (w S/N) + 3 unit buckets + 4 units' slices | on disk, K/N's too | w K + w U + 4 T |
 
 A = all parameters, P = trainable, N = ranks, w = 2 for `--bf16`/`--fp16` (16-bit parameters,
@@ -74,8 +74,14 @@ unit buckets as above, the reduce-scatter outputs of the 2 buckets in flight, th
 being written (the one on the writer thread and the next), and the engine's chunk buffers
 (master, moments, gradient and parameter chunks; one fp32 gradient chunk per kind of flat group).
 
+`zero_dp_3` with the optimizer's state on disk (offload `disk`) keeps its gradient shards on disk
+beside it ([Note: gradient store] in offload/param_store.py), as DeepSpeed's ZeRO-3 does with
+`offload_optimizer: nvme`: in RAM the reduced slices being written (the one on the writer thread
+and the next, `zero3_disk_grad_writes`) instead of the shards.
+
 Disk traffic a step, per rank (`disk_traffic`; a node's disk serves its N ranks): the disk rows
-read and write every byte of the optimizer's store once (master and moments, chunk by chunk);
+read and write every byte of the optimizer's store once (master and moments, chunk by chunk;
+`zero_dp_3`'s gradient shards too: written in backward, read at the step);
 `disk_params` also reads the parameter shards twice (gathered in forward, again in backward) and
 the gradient shards once (the step), and writes the gradient shards (backward) and the new
 parameter shards (the step): reads = 2 w S/N + w S/N + 12 (S + K)/N, writes = 2 w S/N + 12 (S + K)/N
@@ -338,9 +344,19 @@ def _zero3_bytes(offload, units: Units | None, world: int, w: int) -> dict:
     optimizer = parts["optimizer"]
     if not offload:
         return {"device": device + optimizer, "cpu": 0, "disk": 0}
-    if offload == "disk":
-        return {"device": device, "cpu": DISK_BUFFERS, "disk": optimizer}
+    if offload == "disk":  # the gradient shards on disk too: [Note: gradient store] in offload/param_store.py
+        grads = parts["grad_shards"]
+        return {"device": device - grads, "cpu": DISK_BUFFERS + zero3_disk_grad_writes(units, world, w),
+                "disk": optimizer + grads}  # fmt: skip
     return {"device": device, "cpu": optimizer, "disk": 0}
+
+
+def zero3_disk_grad_writes(units: "Units", world: int, w: int) -> int:
+    """A unit's reduced gradient slice on the disk store's writer thread and the next one, made
+    before it waits for that write (w bytes an element): what RAM holds of the gradient shards
+    when they are on disk."""
+    trained_inner, trained_root, _ = units.trainable
+    return 2 * w * (max((*trained_inner, trained_root)) // world)
 
 
 def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
@@ -400,7 +416,7 @@ def zero3_param_offload_parts(units: Units | None, world: int, w: int,
         "persistent": parts["persistent"],
         "buckets": parts["buckets"],
         "reduced": 2 * (4 if N > MAX_16BIT_RANKS else w) * slice_numel,  # `default_reduce_dtype`
-        "grad_writes": 2 * w * slice_numel,
+        "grad_writes": zero3_disk_grad_writes(units, world, w),
         "engine": DISK_BUFFERS + ENGINE_BUFFERS * CHUNK_NUMEL * 2 * w + 2 * 4 * CHUNK_NUMEL,
         "param_shards": w * shard,
         "grad_shards": w * units.trainable_shard,

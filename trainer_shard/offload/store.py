@@ -46,7 +46,7 @@ outlives the process that made it except after SIGKILL:
   which file and why, deletes the files, lock files and rank folders of every store open in the
   process (not the marked folders above them), and lets the process die of the signal.
 - Folders: the rank's folder is the store's and goes with it; each folder above it that a store
-  created (nvme_path, `zero3_params/`) is marked (`_MADE_HERE`) and removed when nothing but the
+  created (nvme_path, `zero3_params/`, `zero3_grads/`) is marked (`_MADE_HERE`) and removed when nothing but the
   mark is left in it: by whichever store closes last, of any rank or role. A folder the user made
   is never removed.
 

@@ -85,13 +85,16 @@ class FlatsMixin:
             self.reducer = sharded.reducer
         ours = set(params)
         parts = list({id(f[1]): f[1] for f in found if f[1] is not None}.values())
+        on_disk = getattr(self.offload, "device", None) == "nvme"  # [Note: gradient store] in offload/param_store.py
+        in_ram = [part for part in parts if not part.params_stored]  # the others' gradients go with their parameters
+        grad_store = sharded.gradient_store(self.offload.nvme_path) if on_disk and in_ram else None
         for part in parts:
             outside = [n for p, n in zip(part.params, part.names) if p not in ours]
             if outside:
                 raise ShardingError(f"stage=3: param group {index} holds some of the parameters of one flat buffer and "
                                     f"not {outside[:3]}; shard the model with a group_fn that gives every param "
                                     "group its own key, so no flat buffer spans two groups")  # fmt: skip
-            part.configure(self.offload is not None, self.grad_dtype)
+            part.configure(self.offload is not None, self.grad_dtype, grad_store)
             self._flattened.update(part.params)
             self.flats.append(part)
             self._flat_owner.append(index)

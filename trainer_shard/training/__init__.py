@@ -52,6 +52,8 @@ On one process, offload runs the ZeRO-2 path on a world of one.
 At stage 3 the config's `offload_param` (device cpu or nvme) puts the parameter shards, and on
 disk their gradient shards too, in a store of their own (`offload.param_store`), read ahead a
 unit at a time; the optimizer must be offloaded as well (`offload_optimizer`, or the `offload` of
-`--sharded_ddp "zero_dp_3 offload"`: CPU RAM). Room on disk for both stores, and their folders
-free of other runs, are checked when the Trainer is built, before anything is written.
+`--sharded_ddp "zero_dp_3 offload"`: CPU RAM). With the optimizer's state on disk, stage 3 keeps
+the gradient shards on disk too, beside it (`offload.param_store.GradStore`), and on the CPU has
+the C heap map large blocks apart (`plan.on_disk`). Room on disk for the stores, and their
+folders free of other runs, are checked when the Trainer is built, before anything is written.
 """

@@ -7,7 +7,8 @@
     states = state_tensors(optim_class, kwargs)       # per-element state tensors (AdamW: 2), or None
     params = param_offload_spec(config)               # stage 3: offload_param's ParamOffloadSpec, or None
     needed = param_store_bytes(params, model, world_size, args, config)  # its disk files, this rank
-    check_disk_room(spec, model, states, rank, world_size, params, needed)  # both disk stores fit, free
+    grads = grad_store_bytes(stage, spec, params, model, world_size, args, config)  # stage 3, optimizer on disk
+    check_disk_room(spec, model, states, rank, world_size, params, needed, grads)  # the disk stores fit, free
     checkpoint_bytes(model, sharded, states)          # about what one checkpoint writes
 
 stage: 1 (ZeRO-1: `--sharded_ddp simple`), 2 (ZeRO-2: `zero_dp_2`, or offload on one process), or
@@ -16,8 +17,10 @@ None without sharding; spec: the `OffloadSpec` of the optimizer's store, or None
 auto` chose: the planner's `disk_params`), or None.
 """
 
+import logging
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,11 +31,14 @@ from ..checkpoint import unique_state_dict
 from ..config import apply as config_apply
 from ..disk import free_bytes, same_disk
 from ..errors import ArgumentError, TrainerShardError
+from ..memory import MAPPED_FROM, map_large_blocks
 from ..offload import OffloadSpec
 from ..offload.engine import per_element_state
 from ..offload.param_store import PARAMS, ParamOffloadSpec
-from ..offload.store import OffloadStoreError, check_disk_store
+from ..offload.store import OPTIMIZER, OffloadStoreError, check_disk_store
 from ..sharding.zero3 import full_numel
+
+logger = logging.getLogger(__name__)
 
 ADAM_STATES = 2  # what an optimizer built by a factory is assumed to keep, for size estimates
 
@@ -64,6 +70,9 @@ def plan_trainer(trainer) -> None:
         chosen = getattr(args, CHOSEN, None)  # chosen before the model was loaded: taken as it is
         stage, spec, params = chosen or choose_strategy(args, model, trainer.train_dataset, config)  # none for eval
     trainer._sharding_stage, trainer.offload_spec, trainer.param_offload_spec = stage, spec, params
+    if stage == 3 and args.device.type == "cpu" and on_disk(spec, params) and map_large_blocks():
+        logger.info("ZeRO-3 with offload to disk: C heap blocks of %d MiB and more mapped apart, handed back to the "
+                    "OS when freed", MAPPED_FROM >> 20)  # fmt: skip
     config_optimizer = config_apply.optimizer_cls_and_kwargs(config, args)
     if config_optimizer is not None:
         if trainer.optimizer_cls_and_kwargs is not None or trainer.optimizer is not None:
@@ -79,7 +88,18 @@ def plan_trainer(trainer) -> None:
     world_size = world_size_from_env()
     states = trainer._state_tensors()
     param_bytes = param_store_bytes(params, model, world_size, args, config)
-    check_disk_room(spec, model, states, args.process_index, world_size, params, param_bytes)
+    grad_bytes = grad_store_bytes(stage, spec, params, model, world_size, args, config)
+    check_disk_room(spec, model, states, args.process_index, world_size, params, param_bytes, grad_bytes)
+
+
+def on_disk(spec, params) -> bool:
+    """The optimizer's state (`spec`) or ZeRO-3's parameters (`params`) in files: a run planned for
+    a RAM too small for them, where what the C heap keeps after a free counts, so `plan_trainer`
+    maps large blocks apart at stage 3 (`memory.map_large_blocks`). t5-large in fp32, 2 ranks,
+    optimizer on disk, one step (bench/load_rss.py's train row, by hand): a rank peaked at 2.56
+    GiB before the first step and 3.17-3.41 GiB in backward with glibc's heap, 1.86 and 2.97 GiB
+    with the blocks mapped apart."""
+    return any(s is not None and s.device == "nvme" for s in (spec, params))
 
 
 def check_stage_args(args, stage) -> None:
@@ -214,23 +234,44 @@ def param_store_bytes(params, model, world_size: int, args, config) -> int:
     world_size = max(1, world_size)
     sharded = [p for p in model.parameters() if full_numel(p) > threshold]
     params = max(0, -(-sum(map(full_numel, sharded)) // world_size) - params.max_in_cpu)
-    grads = -(-sum(full_numel(p) for p in sharded if p.requires_grad) // world_size)
+    param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
+    return params * param_dtype.itemsize + _grad_shard_bytes(model, world_size, args, config)
+
+
+def grad_store_bytes(stage, spec, params, model, world_size: int, args, config) -> int:
+    """About the bytes of this rank's gradient shards on disk beside the optimizer's state
+    (stage 3 with `spec` on nvme: [Note: gradient store] in offload/param_store.py), in the
+    gradient dtype; 0 where the parameter store holds them (`param_store_bytes` counts them)."""
+    if stage != 3 or spec is None or spec.device != "nvme" or (params is not None and params.device == "nvme"):
+        return 0
+    return _grad_shard_bytes(model, max(1, world_size), args, config)
+
+
+def _grad_shard_bytes(model, world_size: int, args, config) -> int:
+    """This rank's shard of the sharded trainable parameters' gradients, in `data_types.
+    grad_accum_dtype` (else the parameters' dtype, as an offloaded optimizer keeps them)."""
+    threshold = config_apply.zero3_kwargs(config, model)["persistence_threshold"]
+    grads = -(-sum(full_numel(p) for p in model.parameters() if p.requires_grad and full_numel(p) > threshold)
+              // world_size)  # fmt: skip
     param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
     grad_dtype = dtypes.DTYPES.get(getattr(config, "grad_accum_dtype", None)) or param_dtype
-    return params * param_dtype.itemsize + grads * grad_dtype.itemsize
+    return grads * grad_dtype.itemsize
 
 
-def check_disk_room(spec, model, states, rank: int, world_size: int, params=None, param_bytes: int = 0) -> None:
+def check_disk_room(spec, model, states, rank: int, world_size: int, params=None, param_bytes: int = 0,
+                    grad_bytes: int = 0) -> None:  # fmt: skip
     """Before training, before anything is written: room on disk for this rank's optimizer shard
-    (master + the optimizer's per-element state, fp32) and, with `params` (a ParamOffloadSpec on
+    (master + the optimizer's per-element state, fp32, and the gradient shards stored beside it:
+    `grad_bytes`, `grad_store_bytes`) and, with `params` (a ParamOffloadSpec on
     nvme), for its parameter store's `param_bytes` (`param_store_bytes`), the two counted together
     when they share a disk; and neither store's folder in use by another run. The stores check
     their exact, padded sizes again when they open. An optimizer factory (`states` None): its store
     checks once it is built."""
     optimizer = None
     if spec is not None and spec.device == "nvme" and states is not None:
-        needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size))
-        check_disk_store(spec.nvme_path, rank, needed, in_use=True)
+        needed = 4 * (1 + states) * -(-trainable_numel(model) // max(1, world_size)) + grad_bytes
+        role = OPTIMIZER if not grad_bytes else replace(OPTIMIZER, what=f"{OPTIMIZER.what} and the gradient shards")
+        check_disk_store(spec.nvme_path, rank, needed, in_use=True, role=role)
         optimizer = (Path(spec.nvme_path) / f"rank{rank}", needed)
     if params is not None and params.device == "nvme":
         _check_param_room(params.folder, rank, param_bytes, optimizer)

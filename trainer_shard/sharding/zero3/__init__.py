@@ -57,7 +57,9 @@ flat's gradient shard is on disk too: each reduced slice is written as backward 
 the store's writer thread, one in flight; summed with what is there when micro-batches
 accumulate), its squared norm kept (`grad_sq`), so clipping needs no pass over the files. The
 optimizer must be offloaded as well: its engine reads the gradient chunk by chunk and writes
-the updated parameters back to the store (`write_shard`).
+the updated parameters back to the store (`write_shard`). With the optimizer's state on disk
+and the parameter shard in RAM, the gradient shard goes to disk all the same, in the gradient
+store beside the optimizer's files ([Note: gradient store] in offload/param_store.py).
 
 [Note: meta-device model] A model whose weights do not fit in memory is built on the meta
 device (shapes only) and sharded with `weights`. From a reader that can read ranges straight into

@@ -9,8 +9,10 @@ from ..norms import power_sum
 
 
 class GradShard:
-    """Mixed into `FlatParams`: the gradient shard (`grad`), kept in memory or, with parameters
-    on disk, in the parameter store (`grad_stored`, its squared norm in `grad_sq`), and the
+    """Mixed into `FlatParams`: the gradient shard (`grad`), kept in memory or on disk
+    (`grad_stored`, its squared norm in `grad_sq`): in the parameter store with the parameter
+    shard, or with the optimizer's state on disk in the gradient store (`grad_store`, [Note:
+    gradient store] in offload/param_store.py), and the
     optimizer's view of the parameter shard (`shard_param`, `master`). A frozen flat
     (`trainable` False) has none of it: no gradient, no optimizer state, never rewritten."""
 
@@ -18,7 +20,8 @@ class GradShard:
 
     def _init_grad_side(self, device) -> None:
         self.offloaded = False
-        self.grad_stored = False  # the gradient shard lives in the parameter store (on disk)
+        self.grad_stored = False  # the gradient shard lives on disk, in `grad_store`
+        self.grad_store = None  # the parameter store, or the gradient store ([Note: gradient store])
         self.grad_sq = 0.0  # then: its squared 2-norm, kept as backward writes it
         self._grad_write = None  # the future of its last write
         if not self.trainable:  # frozen: nothing for an optimizer
@@ -71,7 +74,8 @@ class GradShard:
         """[Note: parameter offload] The reduced slice goes to the store as backward makes it, its
         squared norm kept on the way (the sum's, when micro-batches accumulate)."""
         self._wait_grad_write()
-        if self.stale and owned and alpha == 1.0 and values.dtype == self.grad.dtype and values.is_contiguous():
+        if (self.stale and owned and alpha == 1.0 and values.dtype == self.grad.dtype and values.is_contiguous()
+                and values.device.type == "cpu"):
             total = values  # written as it is (t5-11b: a unit's gradient is 0.5 GB; no second copy)
         else:
             total = torch.empty(values.numel(), dtype=self.grad.dtype)
@@ -80,11 +84,11 @@ class GradShard:
                 if alpha != 1.0:
                     total.mul_(alpha)
             else:
-                self.store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
+                self.grad_store.read(self.grad_name, 0, total).add_(values, alpha=alpha)
                 self.accumulated = True
         self.stale = False
         self.grad_sq = float(power_sum(total, 2.0))  # fp32 row norms summed in fp64: one pass, no copy
-        self._grad_write = self.store.write_async(self.grad_name, 0, total)  # backward goes on meanwhile
+        self._grad_write = self.grad_store.write_async(self.grad_name, 0, total)  # backward goes on meanwhile
 
     def _wait_grad_write(self) -> None:
         if self._grad_write is not None:
@@ -96,7 +100,7 @@ class GradShard:
         """Gradient shard elements [start, start + out.numel()) into `out` (of the gradient's dtype)."""
         if self.grad_stored:
             self._wait_grad_write()
-            return self.store.read(self.grad_name, start, out)
+            return self.grad_store.read(self.grad_name, start, out)
         return out.copy_(self.grad[start : start + out.numel()])
 
     @torch.no_grad()
@@ -109,7 +113,8 @@ class GradShard:
         chunk = torch.empty(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
         for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
             piece = chunk[: min(CHUNK_NUMEL, self.layout.shard_numel - start)]
-            self.store.write(self.grad_name, start, self.store.read(self.grad_name, start, piece).mul_(factor))
+            scaled = self.grad_store.read(self.grad_name, start, piece).mul_(factor)
+            self.grad_store.write(self.grad_name, start, scaled)
         self.grad_sq *= factor * factor
 
     def grad_square_sum(self) -> torch.Tensor:
@@ -120,9 +125,11 @@ class GradShard:
             return torch.tensor(self.grad_sq, dtype=torch.float32)
         return self.grad.float().pow(2).sum().cpu()
 
-    def configure(self, offloaded: bool, grad_dtype=None) -> None:
+    def configure(self, offloaded: bool, grad_dtype=None, grad_store=None) -> None:
         """For `ShardedOptimizer`: with `offloaded` the fp32 master lives in the offload store (no
-        copy here) and the gradient shard is kept in `grad_dtype` (default: the parameters')."""
+        copy here) and the gradient shard is kept in `grad_dtype` (default: the parameters');
+        `grad_store` (a `GradStore`, the optimizer's state on disk): the gradient shard on disk
+        there, unless the parameter store holds it with the parameter shard."""
         if not self.trainable:
             raise ShardingError(f"the frozen parameters {self.names[:3]} were handed to an optimizer; give it the "
                                 "parameters that require grad (ShardedModel.shard_parameters())")  # fmt: skip
@@ -139,11 +146,19 @@ class GradShard:
             self.shard_param.grad = None
         else:
             self.ensure_master()
-        if self.store is not None and self.shard is None:  # parameters on disk: the gradients too
+        on_disk = self.store if self.store is not None and self.shard is None else None  # parameters on disk
+        on_disk = on_disk or (grad_store if offloaded else None)
+        if on_disk is None and self.grad_stored:  # an optimizer before this one kept it on disk
+            self._wait_grad_write()
+            self.grad_store, self.grad_stored = None, False
+        if on_disk is not None:  # the gradients on disk too
             self.grad_name = self.store_name.replace(".param", ".grad")
+            if self.grad_stored and (self.grad_store is not on_disk or self.grad.dtype != dtype):
+                raise ShardingError(f"the gradient shard of {self.names[:3]} is on disk already, in "
+                                    f"{self.grad.dtype}; build one optimizer on the sharded model")  # fmt: skip
             if not self.grad_stored:
-                self.store.add(self.grad_name, self.layout.shard_numel, dtype, on_disk=True)
-            self.grad_stored = True
+                on_disk.add(self.grad_name, self.layout.shard_numel, dtype, on_disk=True)
+            self.grad_store, self.grad_stored = on_disk, True
             self.grad = torch.empty(self.layout.shard_numel, dtype=dtype, device="meta")  # shape and dtype
             return
         if dtype != self.grad.dtype or self.grad.device.type == "meta":
@@ -214,9 +229,10 @@ class GradShard:
         if self.stale:
             if self.grad_stored:
                 self._wait_grad_write()
-                zeros = torch.zeros(min(CHUNK_NUMEL, self.layout.shard_numel), dtype=self.grad.dtype)
-                for start in range(0, self.layout.shard_numel, CHUNK_NUMEL):
-                    self.store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, self.layout.shard_numel - start)])
+                numel = self.layout.shard_numel
+                zeros = torch.zeros(min(CHUNK_NUMEL, numel), dtype=self.grad.dtype)
+                for start in range(0, numel, CHUNK_NUMEL):
+                    self.grad_store.write(self.grad_name, start, zeros[: min(CHUNK_NUMEL, numel - start)])
                 self.grad_sq = 0.0
             elif self.grad.device.type == "meta":
                 self._grad_in_memory(self.grad.dtype)

@@ -3,6 +3,7 @@ reducer), what the optimizer and the Trainer ask of it, and whole weights on dem
 
 import contextlib
 import functools
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,7 @@ class ShardedModel(Lifecycle):
         check = self._check_same_call if self.world_size > 1 and check_calls else None
         groups = [ps for module in unit_modules for ps in by_unit[id(module)].values()]
         self.store = self._open_store(groups, module_names, unit_modules, by_unit) if param_offload else None
+        self.grad_store = None  # opened by the optimizer when its state is on disk: `gradient_store`
         index = iter(range(len(groups)))
         for module in unit_modules:  # the root last in the list: see `selection.unit_modules`
             if not by_unit[id(module)]:
@@ -119,6 +121,18 @@ class ShardedModel(Lifecycle):
         return self._original_apply(fn, *args, **kwargs)
 
     # -- the optimizer's side
+    def gradient_store(self, nvme_path):
+        """[Note: gradient store] The store of the gradient shards kept on disk beside the
+        optimizer's state (under `nvme_path`), opened at the first call and closed with the model."""
+        from ...offload.param_store import GRAD_FOLDER, GradStore
+
+        if self.grad_store is None:
+            self.grad_store = GradStore(nvme_path, rank=self.rank)
+        elif self.grad_store.disk.folder.parent != Path(nvme_path) / GRAD_FOLDER:
+            raise ShardingError(f"the gradient shards are on disk in {self.grad_store.disk.folder} already; build "
+                                f"the optimizer with that nvme_path, not {nvme_path}")  # fmt: skip
+        return self.grad_store
+
     def shard_parameters(self) -> list:
         """What to hand the optimizer: each trainable flat buffer's shard (an fp32 Parameter whose
         `.grad` is its gradient shard) and the trainable persistent parameters, whole."""
@@ -178,7 +192,8 @@ class ShardedModel(Lifecycle):
         only), "persistent" (whole small parameters), "gathered" (flat buffers alive now, read
         ahead from disk included; 0 between steps) and "pool" (gather buffers kept for reuse,
         attached to no unit now); besides, "grad_shards" (the gradient shards in memory, kept
-        between steps) and "on_disk" (parameter and gradient shards in the parameter store's files)."""
+        between steps) and "on_disk" (parameter and gradient shards in the parameter and gradient
+        stores' files)."""
         return {
             "shards": sum(part.shard_bytes for part in self.parts),
             "masters": sum(part.master.numel() * 4 for part in self.parts if part.master is not None),
@@ -186,7 +201,7 @@ class ShardedModel(Lifecycle):
             "gathered": sum(part.buffer.untyped_storage().nbytes() for part in self.parts),
             "pool": self.pool.free_bytes,
             "grad_shards": sum(part.grad_bytes for part in self.parts),
-            "on_disk": self.store.bytes()["disk"] if self.store is not None else 0,
+            "on_disk": sum(s.bytes()["disk"] for s in (self.store, self.grad_store) if s is not None),
         }
 
     # -- whole parameters on demand
@@ -265,8 +280,10 @@ class ShardedModel(Lifecycle):
     def close(self) -> None:
         """Remove the hooks and empty the gather pool (the parameters stay sharded)."""
         self.pool.clear()
-        if self.store is not None:
-            self.store.close()
+        for store in (self.store, self.grad_store):
+            if store is not None:
+                store.close()
+        self.grad_store = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
