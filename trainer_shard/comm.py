@@ -101,12 +101,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
                 works.append(dist.irecv(buffer, _global(group, peer), group=group))
 
             def finish():
-                for peer in range(world):  # the same order of addition on every rank
-                    part = input[rank * n : (rank + 1) * n] if peer == rank else received[peer]
-                    if peer == 0:
-                        output.copy_(part)
-                    else:
-                        output.add_(part)
+                parts = [input[rank * n : (rank + 1) * n] if peer == rank else received[peer] for peer in range(world)]
+                torch.add(parts[0], parts[1], out=output)  # in rank order on every rank; one pass for the first two
+                for part in parts[2:]:
+                    output.add_(part)
                 received.clear()
 
             handle = _Then(_All(works, "reduce_scatter"), finish, "reduce_scatter")

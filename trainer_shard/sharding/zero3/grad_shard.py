@@ -182,8 +182,23 @@ class GradShard:
             self.shard_param.grad = self.grad
 
     def reduce_target(self, bucket, dtype):
-        """None: reductions go through `add_to_grad`, which may keep the result rather than copy it."""
-        return None
+        """Where the reduction of this flat's one bucket may write this rank's slice directly: the
+        gradient shard itself, in memory, when it holds nothing of this step (stale) and is of
+        `dtype` (no output tensor made and copied); then `mark_reduced`. Else None: the result
+        goes through `add_to_grad` (on disk it is written as it is, with no copy)."""
+        if self.grad_stored or not self.stale or self.grad.dtype != dtype:
+            return None
+        if self.grad.device.type == "meta":
+            if self.store is not None:
+                return None  # `add_to_grad` says why the gradients have nowhere to go
+            self._grad_in_memory(self.grad.dtype)
+        if self.shard_param.grad is None and not self.offloaded and self.shard_param.numel():
+            self.shard_param.grad = self.grad  # a plain optimizer's zero_grad(set_to_none=True) dropped it
+        return self.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
+
+    def mark_reduced(self, bucket) -> None:
+        """The reduction wrote this step's gradient into the shard (`reduce_target`)."""
+        self.stale = False
 
     @property
     def master_views(self) -> list:

@@ -23,7 +23,7 @@ class ShardedModel(Lifecycle):
 
     def __init__(self, model, unit_modules: list, owner: dict, names: dict, group, persistence_threshold: int,
                  prefetch, group_fn=None, gather_pool: bool = True, reduce_dtype=None, check_calls: bool = True,
-                 release_memory: bool = True, param_offload=None, fetch=None, device=None):  # fmt: skip
+                 release_memory: bool = False, param_offload=None, fetch=None, device=None):  # fmt: skip
         from .pool import GatherPool
 
         self.model, self.group, self.prefetch = model, group, prefetch

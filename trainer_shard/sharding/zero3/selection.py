@@ -99,7 +99,7 @@ def sharded_part(param):
 
 def shard_model(model, units=None, group=None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                 prefetch=True, group_fn=None, gather_pool: bool = True, reduce_dtype=None,
-                check_calls: bool = True, release_memory: bool = True, param_offload=None, weights=None,
+                check_calls: bool = True, release_memory: bool = False, param_offload=None, weights=None,
                 device=None) -> ShardedModel:  # fmt: skip
     """Shard `model`'s parameters ZeRO-3 style, in place; see the package docstring. Collective.
 
@@ -122,9 +122,11 @@ def shard_model(model, units=None, group=None, persistence_threshold: int = PERS
         check_calls: before each gather, check that every rank gathers the same unit (see
             [Note: diverging calls]); False saves one small collective per gather.
         release_memory: at the end of each backward, hand the memory freed into the C heap
-            back to the OS (`memory.release_freed_memory`): glibc keeps the step's full
-            gradients and reduce buckets resident otherwise. Measured on t5-small (2 ranks):
-            35-57 ms a call, peak RSS 90-120 MiB lower (bench/results/zero3.md).
+            back to the OS (`memory.release_freed_memory`, glibc's malloc_trim). Off by default:
+            the call and the pages faulted in again after it cost t5-small through the Trainer
+            (2 ranks, 40 steps, two interleaved rounds) 51.5-54.7 s against 47.7-49.8 s, for a
+            peak RSS of 1.40 GiB against 1.42-1.43 (zero_dp_2's 1.44-1.45), once a reduction goes
+            straight into a stale gradient shard (`GradShard.reduce_target`).
         param_offload: an `offload.param_store.ParamOffloadSpec`: each unit's parameter shard
             lives in CPU RAM or on disk between uses (see [Note: parameter offload]); the
             optimizer must be offloaded too (`ShardedOptimizer(..., offload=...)`).
