@@ -184,8 +184,10 @@ class GradShard:
     def reduce_target(self, bucket, dtype):
         """Where the reduction of this flat's one bucket may write this rank's slice directly: the
         gradient shard itself, in memory, when it holds nothing of this step (stale) and is of
-        `dtype` (no output tensor made and copied); then `mark_reduced`. Else None: the result
-        goes through `add_to_grad` (on disk it is written as it is, with no copy)."""
+        `dtype` (no output tensor made and copied). Else None: the result goes through
+        `add_to_grad` (on disk it is written as it is, with no copy). The shard counts as written
+        from here on, before the reduction lands: a second reduction of the bucket in this
+        backward (reentrant checkpointing) is then added to it, after this one, in launch order."""
         if self.grad_stored or not self.stale or self.grad.dtype != dtype:
             return None
         if self.grad.device.type == "meta":
@@ -194,11 +196,11 @@ class GradShard:
             self._grad_in_memory(self.grad.dtype)
         if self.shard_param.grad is None and not self.offloaded and self.shard_param.numel():
             self.shard_param.grad = self.grad  # a plain optimizer's zero_grad(set_to_none=True) dropped it
+        self.stale = False
         return self.grad[bucket.shard_offset : bucket.shard_offset + bucket.shard_numel]
 
     def mark_reduced(self, bucket) -> None:
-        """The reduction wrote this step's gradient into the shard (`reduce_target`)."""
-        self.stale = False
+        """The reduction `reduce_target` gave the shard to has landed (it counted as written already)."""
 
     @property
     def master_views(self) -> list:
