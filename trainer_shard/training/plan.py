@@ -97,7 +97,7 @@ def on_disk(spec, params) -> bool:
     a RAM too small for them, where what the C heap keeps after a free counts, so `plan_trainer`
     maps large blocks apart at stage 3 (`memory.map_large_blocks`). t5-large in fp32, 2 ranks,
     optimizer on disk, one step (bench/load_rss.py's train row, by hand): a rank peaked at 2.56
-    GiB before the first step and 3.17-3.41 GiB in backward with glibc's heap, 1.86 and 2.97 GiB
+    GiB before the first step and 3.17-3.41 GiB in backward with glibc's heap, 1.86 and 2.96 GiB
     with the blocks mapped apart."""
     return any(s is not None and s.device == "nvme" for s in (spec, params))
 
