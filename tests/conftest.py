@@ -100,11 +100,28 @@ def _forked(argv: list, nproc: int, timeout: int) -> subprocess.CompletedProcess
         answer = json.loads(_server.stdout.readline() or '{"rc": 1, "error": "the fork server died"}')
         read = [(Path(out) / f"rank{r}.{kind}") for r in range(nproc) for kind in ("out", "err")]
         text = {p.name: p.read_text(errors="replace") if p.is_file() else "" for p in read}
+        stacks = [(Path(out) / f"rank{r}.stack") for r in range(nproc)]
+        stacks = {p.stem: p.read_text(errors="replace") for p in stacks if p.is_file()}
     stdout = "".join(text[f"rank{r}.out"] for r in range(nproc))
     stderr = "".join(text[f"rank{r}.err"] for r in range(nproc)) + answer.get("error", "")
     if answer["rc"] == 124:
-        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+        raise RanksTimedOut(argv, timeout, output=stdout, stderr=stderr, tails=text, stacks=stacks)
     return subprocess.CompletedProcess(argv, answer["rc"], stdout, stderr)
+
+
+class RanksTimedOut(subprocess.TimeoutExpired):
+    """A forked run past its timeout, its message with what each rank wrote last and, for each rank
+    still running then, its stacks (the fork server's py-spy dump before the kill)."""
+
+    def __init__(self, argv, timeout, *, output, stderr, tails: dict, stacks: dict):
+        super().__init__(argv, timeout, output=output, stderr=stderr)
+        self.tails, self.stacks = tails, stacks
+
+    def __str__(self) -> str:
+        parts = [super().__str__()]
+        parts += [f"--- {name} (last 3000 characters)\n{body[-3000:]}" for name, body in self.tails.items() if body]
+        parts += [f"--- {name}, still running at the timeout\n{body}" for name, body in self.stacks.items()]
+        return "\n".join(parts)
 
 
 def shared_run(name: str, tmp_path_factory, inputs, make) -> Path:
@@ -137,12 +154,8 @@ def shared_run(name: str, tmp_path_factory, inputs, make) -> Path:
     return folder / "out"
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))
+from readme_launcher import free_port  # noqa: E402,F401  (the tests' ports: below the ephemeral range)
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

@@ -215,6 +215,7 @@ def readme_run(tiny_model, tiny_data, tmp_path_factory):
     out = {}
     for result in results:
         logs = sorted((sandbox / "logs").glob(f"{result['id']}.rank*.log"))
+        logs += sorted((sandbox / "logs").glob(f"{result['id']}.rank*.stack"))  # a rank's stacks at the timeout
         out[result["id"]] = (result["rc"], "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in logs),
                              result["seconds"])  # fmt: skip
     demo_rc, demo_log, _ = out[demo.id]

@@ -9,7 +9,8 @@ Reads one JSON request a line on stdin, {"argv": [SCRIPT, ARGS...], "nproc": N, 
 "out": folder}, forks N processes with the environment torchrun gives its workers (N > 1; as
 tests/helpers/readme_launcher.py does, whose `wait` stops the others when one fails, as torchrun
 does), each running SCRIPT as __main__, its stdout and stderr in out/rank<R>.{out,err}; answers
-{"rc": the first failing rank's status, 124 after the timeout, or 0}. The environment is this
+{"rc": the first failing rank's status, 124 after the timeout, or 0}; after the timeout each rank
+still running has its stacks in out/rank<R>.stack (py-spy) before it is killed. The environment is this
 process's (conftest's script_env): a test that needs another one, and the fault tests (which test
 torchrun's own handling of signals and dead ranks), start real processes instead.
 """
@@ -21,13 +22,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_launcher import fork_child, free_port, wait  # noqa: E402
+from readme_launcher import assert_single_threaded, fork_child, free_port, make_fork_safe, wait  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def preload() -> None:
-    """What the scripts import, imported once; nothing here starts a thread: forking stays safe."""
+    """What the scripts import, imported once; nothing here starts a thread (checked after): forking stays safe."""
     import torch  # noqa: F401
     import transformers.models.t5.modeling_t5  # noqa: F401
 
@@ -64,12 +65,14 @@ def serve(request: dict) -> int:
                    "ROLE_WORLD_SIZE": str(nproc), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
                    "TORCHELASTIC_RUN_ID": "none"}  # fmt: skip
         pids.append(start(request["argv"], env, out, rank))
-    return wait(pids, request["timeout"])
+    return wait(pids, request["timeout"], [out / f"rank{r}.stack" for r in range(nproc)])
 
 
 def main() -> None:
     os.chdir(ROOT)
+    make_fork_safe()
     preload()
+    assert_single_threaded()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if not line.strip():

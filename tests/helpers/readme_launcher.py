@@ -24,13 +24,35 @@ rank's exit status (or 124 after `timeout` seconds, the command killed).
 
 import json
 import os
+import random
 import runpy
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+
+# What keeps a warm process single-threaded, so that the processes forked from it inherit no lock a
+# thread of its held: numpy's OpenBLAS starts a thread server for more than one thread, and
+# pyarrow's jemalloc (imported with `datasets`) a background purging thread.
+FORK_SAFE_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+
+
+def make_fork_safe() -> None:
+    """Before the warm process imports anything: the environment that starts no thread."""
+    os.environ.update(FORK_SAFE_ENV)
+
+
+def assert_single_threaded() -> None:
+    """After the imports: a warm process with a second thread would fork children that can deadlock
+    on what that thread held (Linux, where /proc lists a process's threads)."""
+    tasks = Path("/proc/self/task")
+    if tasks.is_dir() and len(names := [(t / "comm").read_text().strip() for t in tasks.iterdir()]) > 1:
+        raise RuntimeError(f"the warm process runs {len(names)} threads ({', '.join(sorted(names))}) before forking: "
+                           "find what started them and stop it (FORK_SAFE_ENV)")  # fmt: skip
 
 
 def preload(plan: dict) -> None:
@@ -48,9 +70,22 @@ def preload(plan: dict) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port for rank 0's store, below the kernel's ephemeral range (32768 and up on
+    Linux), in a range of this xdist worker's own. A port from bind(0) is an ephemeral one that the
+    next outgoing connection of any process (gloo's, another worker's store client) may take between
+    this check and rank 0's bind, and another worker's bind(0) may return it too: a rank of one job
+    then joins the other's store."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    low = 20000 + 1500 * (int(worker) % 8 if worker.isdigit() else 0)
+    for _ in range(100):
+        port = random.randrange(low, low + 1500)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + 1499}")
 
 
 def start(command: dict, rank: int, env: dict, log: Path) -> int:
@@ -125,8 +160,10 @@ def run(command: dict) -> int:
     return 0
 
 
-def wait(pids: list, timeout: float) -> int:
-    """The first non-zero status among `pids` (the others then stopped, as torchrun stops them), or 0."""
+def wait(pids: list, timeout: float, stacks: list | None = None) -> int:
+    """The first non-zero status among `pids` (the others then stopped, as torchrun stops them), or 0.
+    After the timeout, each process still running has its Python and native stacks written to the
+    matching path of `stacks` (py-spy, where installed) before it is killed."""
     deadline, status, alive = time.monotonic() + timeout, 0, set(pids)
     while alive:
         for pid in list(alive):
@@ -139,9 +176,25 @@ def wait(pids: list, timeout: float) -> int:
                     stop(alive)
         if alive and time.monotonic() > deadline:
             status = 124
+            for pid, path in zip(pids, stacks or []):
+                if pid in alive:
+                    dump_stacks(pid, path)
             stop(alive, signal.SIGKILL)
         time.sleep(0.05)
     return status
+
+
+def dump_stacks(pid: int, path: Path) -> None:
+    """`pid`'s threads' stacks into `path`: what a hung rank was waiting on."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        Path(path).write_text("(py-spy is not installed: no stacks)\n")
+        return
+    try:
+        dump = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+        Path(path).write_text(dump.stdout + dump.stderr)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        Path(path).write_text(f"py-spy dump failed: {e}\n")
 
 
 def stop(pids, sig=signal.SIGTERM) -> None:
@@ -154,7 +207,9 @@ def stop(pids, sig=signal.SIGTERM) -> None:
 
 def main(plan_path: str) -> None:
     plan = json.loads(Path(plan_path).read_text())
+    make_fork_safe()
     preload(plan)
+    assert_single_threaded()
     logs = Path("logs")
     logs.mkdir(exist_ok=True)
     results = []
@@ -174,7 +229,7 @@ def main(plan_path: str) -> None:
                            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
                            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc)}  # fmt: skip
                 pids.append(start(command, rank, env, logs / f"{command['id']}.rank{rank}.log"))
-            rc = wait(pids, plan["timeout"])
+            rc = wait(pids, plan["timeout"], [logs / f"{command['id']}.rank{r}.stack" for r in range(nproc)])
         results.append({"id": command["id"], "rc": rc, "seconds": round(time.monotonic() - started, 2)})
         Path(plan["results"]).write_text(json.dumps(results, indent=1))
 
