@@ -219,6 +219,27 @@ def test_frozen_parameters_are_sharded_and_freed_after_their_backward():
     frozen_run(0, 1, extras=False)
 
 
+def test_the_root_stays_gathered_from_its_forward_into_its_backward():
+    """The root (embed and head here) is gathered once a training step, not again for backward
+    (its backward starts where its forward ends, as FSDP2's root); a forward without grad releases
+    it, and after backward nothing is gathered. The weights: every other test of this file."""
+    model = make(extras=False)
+    sharded = shard_model(model, units=UNITS, persistence_threshold=0)
+    root, started = sharded.root, []
+    for part in root.parts:
+        start = part.start_gather
+        part.start_gather = lambda start=start, part=part: (started.append(part.state is UnitState.SHARDED), start())[1]
+    x, y = data(0)
+    loss = F.cross_entropy(model(x), y)
+    assert root.state is UnitState.GATHERED
+    loss.backward()
+    assert sum(started) == len(root.parts), "the root was gathered again for its backward"
+    assert sharded.held_parameter_bytes()["gathered"] == 0
+    with torch.no_grad():
+        model(x)
+    assert root.state is UnitState.SHARDED
+
+
 # ---- 4: a backward that raises --------------------------------------------------------------------
 
 

@@ -14,8 +14,9 @@ and the iteration moves it through phases (`Phase`), each transition made by one
   gathering the unit after it in the recorded forward order, and (grad enabled) routes its
   inputs that require grad through `PostBackward`, whose backward is the post-backward hook;
 - FORWARD -> IDLE: its forward post-hook releases it (unless held, or in backward, where
-  checkpointing recomputes) with the units it fetched as external parameters, and (grad
-  enabled) registers the pre-backward hook on its outputs;
+  checkpointing recomputes, or the root with grad enabled: its backward starts where its
+  forward ends, so it stays gathered for it, as FSDP2's root) with the units it fetched as
+  external parameters, and (grad enabled) registers the pre-backward hook on its outputs;
 - IDLE -> BACKWARD: the pre-backward hook (the first gradient of its outputs) gathers it again,
   its externals too, and prefetches the unit before it;
 - BACKWARD -> IDLE: the post-backward hook (its inputs' gradients are all computed, so nothing of
