@@ -82,10 +82,11 @@ and the next, `zero3_disk_grad_writes`) instead of the shards.
 Disk traffic a step, per rank (`disk_traffic`; a node's disk serves its N ranks): the disk rows
 read and write every byte of the optimizer's store once (master and moments, chunk by chunk;
 `zero_dp_3`'s gradient shards too: written in backward, read at the step);
-`disk_params` also reads the parameter shards twice (gathered in forward, again in backward) and
-the gradient shards once (the step), and writes the gradient shards (backward) and the new
-parameter shards (the step): reads = 2 w S/N + w S/N + 12 (S + K)/N, writes = 2 w S/N + 12 (S + K)/N
-(gradients in w bytes, 16-bit by default).
+`disk_params` also reads the parameter shards twice (gathered in forward, again in backward; the
+root's R elements once, as it stays gathered between) and the gradient shards once (the step), and
+writes the gradient shards (backward) and the new parameter shards (the step): reads = 2 w S/N -
+w R/N + w S/N + 12 (S + K)/N, writes = 2 w S/N + 12 (S + K)/N (gradients in w bytes, 16-bit by
+default).
 
 Activations and the runtime come from a short measured probe: in a fresh process that imports
 what training imports, a forward and backward pass at batch size 1 and 4 on the actual device
@@ -457,9 +458,9 @@ def disk_traffic(strategy: str, offload, trainable: int, world: int, precision: 
     """{"read", "written"}: bytes a rank's disk stores read and write in one training step (one
     micro-batch; checkpoints aside), 0 without disk offload. The optimizer's store (master and
     moments) is read and written whole once, chunk by chunk; with `disk_params` the parameter store
-    also reads each parameter shard twice (forward's gather, backward's) and the gradient shards
-    once (the step), and writes the gradient shards (backward) and the updated parameter shards
-    (the step). Pure."""
+    also reads each parameter shard twice (forward's gather, backward's) but the root's once (it
+    stays gathered from its forward into its backward), and the gradient shards once (the step),
+    and writes the gradient shards (backward) and the updated parameter shards (the step). Pure."""
     if offload not in ("disk", PARAM_OFFLOAD):
         return {"read": 0, "written": 0}
     w = 2 if precision in ("bf16", "fp16") else 4
@@ -470,7 +471,8 @@ def disk_traffic(strategy: str, offload, trainable: int, world: int, precision: 
         raise ValueError(f"{PARAM_OFFLOAD} offloads zero_dp_3's parameters, not {strategy}'s")
     parts = zero3_param_offload_parts(units, world, w)
     params, grads, optimizer = parts["param_shards"], parts["grad_shards"], parts["optimizer"]
-    return {"read": 2 * params + grads + optimizer, "written": grads + optimizer + params}
+    root = w * (units.root // units.world_size)
+    return {"read": 2 * params - root + grads + optimizer, "written": grads + optimizer + params}
 
 
 def probe_modes(precision: str, compute: str | None = None) -> dict:

@@ -95,21 +95,27 @@ class ParamStore:
 
     def __init__(self, spec: ParamOffloadSpec, sizes: dict, *, rank: int = 0):
         """`sizes`: {name: (numel, dtype)} of the parameter shards, in the units' order."""
-        self.spec, self.rank = spec, rank
         ram, disk, kept = {}, {}, 0
         for name, (numel, dtype) in sizes.items():
             if spec.device == "cpu" or kept + numel <= spec.max_in_cpu:
                 ram[name], kept = (numel, dtype), kept + numel
             else:
                 disk[name] = (numel, dtype)
-        self.ram = CpuStore(ram, pin_memory=spec.pin_memory)
-        self.disk = DiskStore(disk, spec.folder, rank=rank, role=PARAMS) if disk else None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-params") if disk else None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-grads") if disk else None
-        self._writes = collections.deque()  # futures of `write_async`, oldest first
+        self._open(spec, rank, ram, DiskStore(disk, spec.folder, rank=rank, role=PARAMS) if disk else None,
+                   reader=True)  # fmt: skip
         if disk:
             logger.info("offload_param: %s bytes of parameter shards on disk in %s, %s in RAM",
                         f"{bytes_needed(disk):,}", self.disk.folder, f"{bytes_needed(ram):,}")  # fmt: skip
+
+    def _open(self, spec, rank: int, ram: dict, disk, *, reader: bool) -> None:
+        """RAM shards `ram` ({name: (numel, dtype)}), the DiskStore `disk` (or None) and, with one,
+        its writer thread (and a reader thread with `reader`)."""
+        self.spec, self.rank, self.disk = spec, rank, disk
+        self.ram = CpuStore(ram, pin_memory=spec is not None and spec.pin_memory)
+        threads = disk is not None
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="trainer_shard-params") if threads and reader else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="trainer_shard-grads") if threads else None
+        self._writes = collections.deque()  # futures of `write_async`, oldest first
 
     def on_disk(self, name: str) -> bool:
         return self.disk is not None and name in self.disk.sizes
@@ -167,9 +173,5 @@ class GradStore(ParamStore):
     one background thread, as the parameter store writes those of parameters on disk."""
 
     def __init__(self, nvme_path, *, rank: int = 0):
-        self.spec, self.rank = None, rank
-        self.ram = CpuStore({})
-        self.disk = DiskStore({}, Path(nvme_path) / GRAD_FOLDER, rank=rank, role=GRADS)
-        self._reader = None  # gradient shards are read by the offload engine's own reader thread
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-grads")
-        self._writes = collections.deque()
+        # no reader thread: the offload engine's own reads the gradient shards with the optimizer's state
+        self._open(None, rank, {}, DiskStore({}, Path(nvme_path) / GRAD_FOLDER, rank=rank, role=GRADS), reader=False)

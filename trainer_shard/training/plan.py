@@ -224,7 +224,6 @@ def param_store_bytes(params, model, world_size: int, args, config) -> int:
     """About the bytes this rank's parameter store puts on disk (`offload_param` nvme): its shard
     of the sharded parameters, in the training dtype, and of their gradients (in
     `data_types.grad_accum_dtype`, else the parameters' dtype), less the `max_in_cpu` elements kept
-    in RAM. Trainable parameters above the persistence threshold are sharded; smaller and frozen ones
     in RAM. Parameters above the persistence threshold are sharded, frozen ones too (without a
     gradient); smaller ones stay whole in memory. The store checks the exact, padded size again
     when it opens."""
@@ -235,7 +234,7 @@ def param_store_bytes(params, model, world_size: int, args, config) -> int:
     sharded = [p for p in model.parameters() if full_numel(p) > threshold]
     params = max(0, -(-sum(map(full_numel, sharded)) // world_size) - params.max_in_cpu)
     param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
-    return params * param_dtype.itemsize + _grad_shard_bytes(model, world_size, args, config)
+    return params * param_dtype.itemsize + _grad_shard_bytes(model, world_size, args, config, threshold)
 
 
 def grad_store_bytes(stage, spec, params, model, world_size: int, args, config) -> int:
@@ -244,13 +243,14 @@ def grad_store_bytes(stage, spec, params, model, world_size: int, args, config) 
     gradient dtype; 0 where the parameter store holds them (`param_store_bytes` counts them)."""
     if stage != 3 or spec is None or spec.device != "nvme" or (params is not None and params.device == "nvme"):
         return 0
-    return _grad_shard_bytes(model, max(1, world_size), args, config)
-
-
-def _grad_shard_bytes(model, world_size: int, args, config) -> int:
-    """This rank's shard of the sharded trainable parameters' gradients, in `data_types.
-    grad_accum_dtype` (else the parameters' dtype, as an offloaded optimizer keeps them)."""
     threshold = config_apply.zero3_kwargs(config, model)["persistence_threshold"]
+    return _grad_shard_bytes(model, max(1, world_size), args, config, threshold)
+
+
+def _grad_shard_bytes(model, world_size: int, args, config, threshold: int) -> int:
+    """This rank's shard of the gradients of the trainable parameters above `threshold` (the
+    persistence threshold), in `data_types.grad_accum_dtype` (else the parameters' dtype, as an
+    offloaded optimizer keeps them)."""
     grads = -(-sum(full_numel(p) for p in model.parameters() if p.requires_grad and full_numel(p) > threshold)
               // world_size)  # fmt: skip
     param_dtype = dtypes.half_dtype(dtypes.precision(args)) or torch.float32
