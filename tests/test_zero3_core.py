@@ -375,7 +375,38 @@ def diverging_calls(rank, world_size):
                      r"\(gather \1\)\)", message), message  # fmt: skip
 
 
+def diverging_mid_forward(rank, world_size):
+    """Two iterations, then one in which rank 1 runs an encoder block again in the middle of the
+    forward: past the first iteration the ranks announce their gathers a gather ahead instead of
+    meeting before each, and the rank that changes course must still pair with the others."""
+    model = make_t5()
+    sharded = shard_model(model, units=[T5Block], persistence_threshold=THRESHOLD)
+    inputs, labels = batch(0)
+    for _ in range(2):
+        model(input_ids=inputs, labels=labels).loss.backward()
+    assert sharded._gathered_last and sharded._posted is None  # the second iteration guessed right to its end
+    exchanges = []
+    original = sharded._exchange
+    sharded._exchange = lambda unit, changed=False: (exchanges.append(unit.index), original(unit, changed))[1]
+    model(input_ids=inputs, labels=labels).loss.backward()
+    assert len(exchanges) == 1, exchanges  # the first gather of the iteration only: the others were announced
+
+    def again(module, args, output):
+        with torch.no_grad():
+            model.encoder.block[0](args[0])
+
+    if rank == 1:
+        model.encoder.block[1].register_forward_hook(again)
+    with pytest.raises(ShardingError) as e:
+        model(input_ids=inputs, labels=labels).loss.backward()
+    message = str(e.value)
+    assert "ran different modules" in message and "rank 1: 'encoder.block.0'" in message, message
+    assert "instead of the one announced" in message, message
+
+
 @pytest.mark.multiproc
 def test_ranks_calling_different_modules_are_named_not_hung():
-    """Every rank raises the same error, naming what each was about to gather."""
+    """Every rank raises the same error, naming what each was about to gather: between
+    iterations, and in the middle of a forward once the ranks announce their gathers ahead."""
     spawn(diverging_calls, 2)
+    spawn(diverging_mid_forward, 2)

@@ -52,7 +52,8 @@ class ShardedModel(Lifecycle):
             parts = [FlatParams(ps, [names[p] for p in ps], key, self.rank, self.world_size, group, self.pool,
                                 self.store, f"{next(index)}.param", fetch, device)
                      for (key, _, _), ps in by_unit[id(module)].items()]  # fmt: skip
-            self.units.append(Unit(module, parts, module_names.get(id(module)) or "the model", check))
+            self.units.append(Unit(module, parts, module_names.get(id(module)) or "the model", check,
+                                   self._announce_next))  # fmt: skip
             self.units[-1].index, self.units[-1].sharded = len(self.units) - 1, self
         self.root = next((u for u in self.units if u.module is model), None)
         self.parts = [part for unit in self.units for part in unit.parts]
@@ -279,6 +280,7 @@ class ShardedModel(Lifecycle):
 
     def close(self) -> None:
         """Remove the hooks and empty the gather pool (the parameters stay sharded)."""
+        self._drop_announcement()
         self.pool.clear()
         for store in (self.store, self.grad_store):
             if store is not None:

@@ -59,10 +59,11 @@ class Unit:
     """A wrapped module's sharded parameters, one `FlatParams` per (param group key, dtype,
     trainable or frozen)."""
 
-    def __init__(self, module, parts: list, name: str = "", check=None):
+    def __init__(self, module, parts: list, name: str = "", check=None, announce=None):
         self.module, self.parts = module, parts
         self.name = name or type(module).__name__
-        self.check = check  # called before each gather this unit starts: [Note: diverging calls]
+        # called before and after each gather this unit starts: [Note: diverging calls]
+        self.check, self.announce = check, announce
         self.params = [p for part in parts for p in part.params]
         self.numel = sum(p.numel() for part in parts for p in part.views)
         self.holds = 0  # `ShardedModel.gathered` blocks (and wrapped methods) holding it
@@ -93,10 +94,13 @@ class Unit:
             part.load()
 
     def start_gather(self) -> None:
-        if self.check is not None and not self.gathered:
+        checked = self.check is not None and not self.gathered
+        if checked:
             self.check(self)
         for part in self.parts:
             part.start_gather()
+        if checked:
+            self.announce(self)
 
     def gather(self) -> None:
         self.start_gather()
