@@ -14,11 +14,12 @@ from ..partition import plan_layout
 from ..reducer import GradReducer
 from . import access
 from .flat_params import FlatParams
+from .calls import CallCheck
 from .lifecycle import Lifecycle
 from .unit import Phase, Unit
 
 
-class ShardedModel(Lifecycle):
+class ShardedModel(Lifecycle, CallCheck):
     """The ZeRO-3 state of a model; see the package docstring. Built by `shard_model`."""
 
     def __init__(self, model, unit_modules: list, owner: dict, names: dict, group, persistence_threshold: int,
@@ -71,6 +72,7 @@ class ShardedModel(Lifecycle):
             for part in unit.parts:
                 if part.trainable:  # the root's at the end: see the package docstring's "Gradients"
                     self.reducer.add(part, at_end=unit is self.root)
+        self._install_call_check()
         self._install_lifecycle(unit_modules)
         self._handles += access.install(self)
         self._original_apply = model._apply
