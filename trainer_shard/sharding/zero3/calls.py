@@ -16,6 +16,7 @@ class CallCheck:
         # the units gathered this iteration and the last, in order, and the announcement of this
         # rank's next gather in flight: (handle, everyone's announcements)
         self._gathered_now, self._gathered_last, self._posted, self._missed = [], [], None, False
+        self.gathers = 0  # unit gathers started, counted alike on every rank
         self.announce_ahead = self.store is None
 
     # [Note: diverging calls] Ranks that run their modules a different number of times (a module
@@ -61,19 +62,19 @@ class CallCheck:
         """After `unit`'s gather started (so that it goes first on every rank): announce the next."""
         position = len(self._gathered_now)
         if self.announce_ahead and not self._missed and position < len(self._gathered_last):
-            device = unit.parts[0].buffer.device
-            header = torch.tensor([self.gathers, self._gathered_last[position], 0], dtype=torch.int64, device=device)
-            everyone = torch.empty(3 * self.world_size, dtype=torch.int64, device=device)
-            with record_function("trainer_shard::zero3_check_calls"):
-                self._posted = (comm.all_gather(everyone, header, self.group, async_op=True), everyone)
+            self._posted = self._say(unit, self._gathered_last[position], changed=False, async_op=True)
 
     def _exchange(self, unit, changed: bool = False) -> None:
+        self._agreed(*self._say(unit, unit.index, changed, async_op=False))
+
+    def _say(self, unit, index: int, changed: bool, async_op: bool) -> tuple:
+        """All-gather (gather count, `index`, `changed`) from every rank, on `unit`'s device: (the
+        handle, or None once done; everyone's rows)."""
         device = unit.parts[0].buffer.device
-        header = torch.tensor([self.gathers, unit.index, int(changed)], dtype=torch.int64, device=device)
+        header = torch.tensor([self.gathers, index, int(changed)], dtype=torch.int64, device=device)
         everyone = torch.empty(3 * self.world_size, dtype=torch.int64, device=device)
         with record_function("trainer_shard::zero3_check_calls"):
-            comm.all_gather(everyone, header, self.group)
-        self._agreed(None, everyone)
+            return comm.all_gather(everyone, header, self.group, async_op=async_op), everyone
 
     def _agreed(self, handle, everyone) -> int:
         """The unit every rank said it gathers next (after waiting for `handle`), or the error."""

@@ -41,7 +41,6 @@ class ShardedModel(Lifecycle, CallCheck):
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype, p.requires_grad), []).append(p)
         self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None)
         module_names = {id(m): name for name, m in model.named_modules()}
-        self.gathers = 0  # unit gathers started, counted alike on every rank: [Note: diverging calls]
         check = self._check_same_call if self.world_size > 1 and check_calls else None
         groups = [ps for module in unit_modules for ps in by_unit[id(module)].values()]
         self.store = self._open_store(groups, module_names, unit_modules, by_unit) if param_offload else None
