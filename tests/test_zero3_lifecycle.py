@@ -4,6 +4,8 @@ checkpointing with a shared parameter, state_dict/load_state_dict, buffers, conv
 against plain PyTorch on the whole model (an independent reference), in a plain loop."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -282,6 +284,35 @@ def test_auto_find_batch_size_is_refused_at_stage_3(tmp_path):
                                            sharded_ddp="zero_dp_3", auto_find_batch_size=True)  # fmt: skip
     with pytest.raises(ArgumentError, match="--auto_find_batch_size .* ZeRO-3 cannot take"):
         plan.plan(args, None)
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3", "zero3-params-on-disk"])
+def test_a_model_and_optimizer_dropped_without_close_are_collected(case, tmp_path):
+    """Dropped without close(), after steps and a forward whose backward never ran (an exception
+    between them), the model, its ShardedModel and the optimizer are garbage collected, and the
+    next run in the process opens its disk stores at the same paths (a hyperparameter search, a
+    notebook). Their gradient hooks and the saved tensors of that forward held them for the life
+    of the process: the next run raised "in use by another store of this process"."""
+    stage = 2 if case == "zero2" else 3
+    params = ParamOffloadSpec("nvme", nvme_path=str(tmp_path / "params"), buffer_count=3) if "disk" in case else None
+
+    def run():
+        model = make()
+        sharded = shard_model(model, units=UNITS, persistence_threshold=0, param_offload=params) if stage == 3 else None
+        opt = ShardedOptimizer(model.parameters(), optim=torch.optim.AdamW, stage=stage, lr=LR,
+                               offload=OffloadSpec("nvme", nvme_path=str(tmp_path / "optim")))  # fmt: skip
+        for step in range(2):
+            x, y = data(step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        F.cross_entropy(model(x), y)  # its backward never comes
+        return [weakref.ref(o) for o in (model, sharded, opt) if o is not None]
+
+    dropped = run()
+    gc.collect()
+    assert [r() for r in dropped] == [None] * len(dropped)
+    run()
 
 
 # ---- 5: a read ahead across a step ---------------------------------------------------------------

@@ -41,6 +41,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .. import comm
+from .owners import post_accumulate_grad_hook
 
 MAX_16BIT_RANKS = 8
 """Most ranks a 16-bit bucket is summed over by default; beyond, buckets are reduced in fp32. Over 8
@@ -114,8 +115,7 @@ class GradReducer:
         for bucket in flat.layout.buckets:
             for slot in bucket.slots:
                 param = flat.params[slot.index]
-                hook = self._make_hook(base + bucket.index, slot)
-                self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                self._handles.append(post_accumulate_grad_hook(param, self._on_grad, base + bucket.index, slot))
         self._reset()
 
     def dtype_for(self, flat):
@@ -145,12 +145,6 @@ class GradReducer:
         for _, _, work in self.in_flight:
             work.wait()
         self._reset()
-
-    def _make_hook(self, state_index: int, slot):
-        def hook(param):
-            self._on_grad(state_index, slot, param)
-
-        return hook
 
     def _on_grad(self, state_index: int, slot, param) -> None:
         if not self.sync:

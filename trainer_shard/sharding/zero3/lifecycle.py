@@ -8,6 +8,7 @@ from torch.autograd.profiler import record_function
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ... import comm
+from ..owners import post_accumulate_grad_hook
 from .unit import Phase, UnitState
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Lifecycle:
             self._handles.append(module.register_forward_hook(functools.partial(self._post_forward, unit, is_root)))
         for p in [*(p for unit in self.units for p in unit.params), *self.persistent]:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(lambda _: self._queue_callback()))
+                self._handles.append(post_accumulate_grad_hook(p, self._queue_callback))
 
     # -- forward
     def _pre_forward(self, unit, is_root, module, args, kwargs):
@@ -140,8 +141,14 @@ class Lifecycle:
     # through `_pack`, which tags those that share a unit's flat buffer storage; `_unpack`
     # gathers a tagged one's unit if its hooks have released it (for the rest of this backward),
     # so backward never reads a released buffer, whatever order autograd runs its nodes in.
+    # Packed detached: a node that saves its own output (exp, sigmoid) would otherwise hold the
+    # output, whose grad_fn is that node, a cycle in C++ that the garbage collector cannot see, so
+    # a forward never followed by its backward (an exception between them, a forward whose loss is
+    # dropped) kept its graph, and through `_unpack` this model, for the life of the process.
+    # Autograd puts the saved tensor's grad_fn back on what `_unpack` returns.
     def _pack(self, tensor):
         unit = self._by_storage.get(tensor.untyped_storage()._cdata)
+        tensor = tensor.detach()
         return tensor if unit is None else (tensor, unit)
 
     def _unpack(self, packed):
@@ -187,7 +194,7 @@ class Lifecycle:
                     other.release()
             unit.external.clear()
 
-    def _queue_callback(self) -> None:
+    def _queue_callback(self, _param=None) -> None:
         """Queue the end of backward once, on the outermost backward of the iteration (the one
         that first called here): reentrant checkpointing runs a backward of its own per
         segment, whose callbacks would fire at each segment's end."""
