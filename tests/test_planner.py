@@ -33,17 +33,19 @@ def test_zero3_units_are_the_models_blocks():
     assert units.inner == (encoder,) * 6 + (decoder,) * 6 and units.root == embedding
     assert units.persistent == (6 * 2 + 1 + 6 * 3 + 1) * 512 + 2 * 32 * 8  # layer norms, relative attention bias
     assert sum(units.inner) + units.root + units.persistent == 60_506_624
-    assert units.pool_numel() == embedding + 2 * encoder + 2 * decoder  # the root, a unit and the next
+    # the root, a unit and the next: the encoder blocks gather into the decoder blocks' storages
+    assert units.pool_numel() == embedding + 2 * decoder
     assert units.classes == ("T5Block",) and "12 units" in planner.zero3_note(units)
     assert planner.zero3_units(planner.model_config("t5-small"), 3).root == -(-embedding // 3) * 3  # padded
 
 
-def test_zero3_gather_pool_keeps_the_most_of_each_size_gathered_at_once():
+def test_zero3_gather_pool_keeps_the_most_gathered_at_once_sharing_storages_up_to_twice_the_size():
     def pool(inner, root):
         return planner.Units(tuple(inner), root, 0, 1).pool_numel()
 
-    assert pool([10, 10, 20, 20, 5], 30) == 2 * 10 + 2 * 20 + 5 + 30
-    assert pool([10, 20, 10, 20], 0) == 10 + 20  # never two of a size at once
+    # the 10s gather into the 20s' storages (two at once); 5 takes none of them (over twice its size)
+    assert pool([10, 10, 20, 20, 5], 30) == 30 + 2 * 20 + 5
+    assert pool([10, 20, 10, 20], 0) == 10 + 20  # a free storage of its own size first
     assert pool([10, 10], 10) == 3 * 10  # the root's buffer shares its size's slots
     assert pool([7], 3) == 7 + 3 and pool([], 3) == 3
 
@@ -80,7 +82,7 @@ def test_zero3_bytes_per_part():
     from zero_dp_2: shards of everything, gather buffers and unit buckets instead of w A."""
     units = planner.Units((100, 100, 140), 60, 8, 2)  # 400 sharded elements: 200 a rank
     parts = planner.zero3_parts(None, units, 2, 2)  # bf16
-    assert parts == {"shards": 400, "grad_shards": 800, "persistent": 8 * 2 * 4, "pool": 2 * (2 * 100 + 140 + 60),
+    assert parts == {"shards": 400, "grad_shards": 800, "persistent": 8 * 2 * 4, "pool": 2 * (60 + 2 * 140),
                      "buckets": 3 * 2 * 140, "optimizer": 200 * (4 + 8)}  # fmt: skip
     assert planner.strategy_bytes("zero_dp_3", None, 408, 408, 2, "bf16", units)["device"] == sum(parts.values())
     cpu = planner.strategy_bytes("zero_dp_3", "cpu", 408, 408, 2, "bf16", units)

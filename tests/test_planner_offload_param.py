@@ -201,9 +201,10 @@ def test_auto_takes_disk_params_only_when_nothing_else_fits():
             assert chose_row == (min(others) > budget >= per_rank[ROW]), (model, budget)
     assert per_rank[ROW] < min(others)  # t5-3b at 2 ranks: the row is the smallest
     big = {(r["strategy"], r["offload"]): r for r in rows}
-    # its 16-bit parameter shards (2 bytes x 2.85 B / 2 ranks) off RAM, less its buffers (the disk row's
-    # gradient shards are on disk too: [Note: gradient store])
-    assert big[ROW]["per_rank"] < big[("zero_dp_3", "disk")]["per_rank"] - 2.2 * GiB
+    # its 16-bit parameter shards (2 bytes x 2.85 B / 2 ranks: 2.66 GiB) off RAM, less its buffers
+    # beyond the disk row's gather pool (the disk row's gradient shards are on disk too: [Note:
+    # gradient store])
+    assert big[ROW]["per_rank"] < big[("zero_dp_3", "disk")]["per_rank"] - 2.1 * GiB
     assert big[ROW]["disk_per_node"] > big[("zero_dp_3", "disk")]["disk_per_node"]
     assert "zero_dp_3 + disk_params offload" in planner.explain(list(big.values()), big[ROW], big[ROW]["per_rank"])
 

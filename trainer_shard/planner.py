@@ -254,16 +254,38 @@ class Units:
         return max(inner, default=root)
 
     def pool_numel(self) -> int:
-        """Elements of the gather buffers `GatherPool` keeps after the first step: for each buffer
-        size, the most buffers of it gathered at once (the root with a running unit and the next,
-        prefetched: forward meets the units in order, backward in reverse, one pair at a time)."""
-        root = [self.root] if self.root else []
-        pairs = [list(self.inner[i : i + 2]) for i in range(max(1, len(self.inner) - 1))]
-        most = {}
-        for at_once in pairs:
-            for size in set(at_once + root):
-                most[size] = max(most.get(size, 0), (at_once + root).count(size))
-        return sum(size * count for size, count in most.items())
+        """Elements of the gather buffers `GatherPool` keeps once settled: the gathers of three
+        steps played through its rule (`choose_storage`). The root stays gathered from its forward
+        through its backward; each unit is gathered with the next one prefetched, in order in
+        forward and in reverse in backward, and released after its own pass."""
+        from .sharding.zero3.pool import choose_storage
+
+        order = list(self.inner)
+        events = [(True, "root")] if self.root else []
+        for sequence in (order, order[::-1]):
+            for i in range(len(sequence)):
+                if i == 0:
+                    events.append((True, i, sequence))
+                if i + 1 < len(sequence):
+                    events.append((True, i + 1, sequence))
+                events.append((False, i, sequence))
+        if self.root:
+            events.append((False, "root"))
+        free, lent = [], {}
+        for _ in range(3):
+            for event in events:
+                key = (event[1], id(event[2])) if len(event) == 3 else event[1]
+                size = self.root if key == "root" else event[2][event[1]]
+                if event[0]:
+                    take, drop = choose_storage(free, size)
+                    if take is not None:
+                        free.remove(take)
+                    elif drop is not None:
+                        free.remove(drop)
+                    lent[key] = take if take is not None else size
+                else:
+                    free.append(lent.pop(key))
+        return sum(free)
 
 
 def zero3_units(config, world_size: int, persistence_threshold: int | None = None, lora: dict | None = None) -> Units:
