@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from . import shm_comm
+
 _wait_tracker = contextlib.nullcontext
 
 
@@ -63,6 +65,23 @@ def _uses_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+def _shared_memory(group, tensor: torch.Tensor):
+    """The group's shared-memory transport for CPU tensors on gloo, or None: see [Note:
+    shared-memory collectives] in shm_comm.py."""
+    return shm_comm.for_group(group) if tensor.device.type == "cpu" else None
+
+
+class _Future:
+    """The handle of a collective running on a shared-memory group's thread."""
+
+    def __init__(self, future, name: str):
+        self.future, self.name = future, name
+
+    def wait(self):
+        with _waiting(self.name):
+            self.future.result()
+
+
 class _Then:
     """A handle that runs `finish` once the collective it wraps has completed."""
 
@@ -92,7 +111,10 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
         output.copy_(input)
         return _Done() if async_op else None
     with record_function("trainer_shard::reduce_scatter"):
-        if _uses_gloo(group):
+        shm = _shared_memory(group, input) if _uses_gloo(group) else None
+        if shm is not None:
+            handle = _Future(shm.submit(shm.reduce_scatter, output, input), "reduce_scatter")
+        elif _uses_gloo(group):
             rank, world, n = dist.get_rank(group), dist.get_world_size(group), output.numel()
             received = {peer: torch.empty_like(output) for peer in range(world) if peer != rank}
             works = []
@@ -140,6 +162,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     with record_function("trainer_shard::all_gather"):
         if not _uses_gloo(group):
             handle = _Then(_all_gather(output, mine, group=group, async_op=True), lambda: None, "all_gather")
+            return handle if async_op else handle.wait()
+        shm = _shared_memory(group, output)
+        if shm is not None:
+            handle = _Future(shm.submit(shm.all_gather, output, mine), "all_gather")
             return handle if async_op else handle.wait()
         world = dist.get_world_size(group)
         works = [dist.broadcast(output[i * n : (i + 1) * n], src=_global(group, i), group=group, async_op=True)

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from . import comm
 from .offload import store as disk_stores
+from .shm_comm import alive
 
 EXIT_PEER_FAILED = 3  # a rank stopped because another one failed (2: a user's mistake)
 FORCE_AFTER = 2.0  # seconds between two signals for the second to stop the process at once
@@ -237,7 +238,7 @@ class FaultWatch:
         if self._peers.get(r) is None and self.store.check([f"proc/{r}"]):
             self._peers[r] = self.store.get(f"proc/{r}").decode().split()
         peer = self._peers.get(r)
-        return bool(peer) and peer[0] == socket.gethostname() and not _alive(int(peer[1]))
+        return bool(peer) and peer[0] == socket.gethostname() and not alive(int(peer[1]))
 
     # -- finding the rank at fault --------------------------------------------------------------
 
@@ -268,7 +269,7 @@ class FaultWatch:
             elif now - seen[1] > self.timeout:
                 return r, f"it has not answered for {now - seen[1]:.0f} s (killed, stopped, or its machine is down)"
             peer = self._peers.get(r)
-            if peer and peer[0] == socket.gethostname() and not _alive(int(peer[1])):
+            if peer and peer[0] == socket.gethostname() and not alive(int(peer[1])):
                 return r, f"its process {peer[1]} is gone (killed or crashed)"
         return None
 
@@ -404,18 +405,6 @@ def apply_timeout(seconds: float) -> None:
     the group only on GPUs (not with use_cpu), where gloo's default is 30 minutes."""
     if _several_ranks():
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` of this machine is running (a zombie, killed but not yet reaped by
-    its launcher, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    except OSError:
-        return True  # no /proc: trust the beat
 
 
 def is_comm_error(error) -> bool:

@@ -27,8 +27,12 @@ class LoraTrainer(ShardedTrainerMixin, Trainer):
 
 
 def live_bytes() -> int:
-    """Bytes of every CPU storage a live tensor (or a storage object) reaches, each once."""
+    """Bytes of every CPU storage a live tensor (or a storage object) reaches, each once; not the
+    shared-memory collectives' slots (the transport's buffers, as gloo's sockets' are not counted)."""
+    from trainer_shard import shm_comm
+
     gc.collect()
+    transport = {s.data_ptr() for s in shm_comm.storages()}
     storages = {}
     for obj in gc.get_objects():
         for item in [obj, *(gc.get_referents(obj) if isinstance(obj, (list, dict)) else ())]:
@@ -37,6 +41,8 @@ def live_bytes() -> int:
             elif isinstance(item, torch.UntypedStorage) and item.device.type == "cpu":
                 storage = item
             else:
+                continue
+            if storage.data_ptr() in transport:
                 continue
             storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
     return sum(storages.values())
