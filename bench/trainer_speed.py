@@ -155,7 +155,8 @@ def main() -> None:
                 print(f"round {round_index} t5-{model} {strategy}: {result['train_runtime']:.2f} s, peak "
                       f"{result['peak_rss'] / GIB:.2f} GiB, trims {result['trim_calls']}", flush=True)  # fmt: skip
     meta = {"cpu": cpu_name(), "cpus": os.cpu_count(), "command": " ".join(sys.argv), "steps": args.steps}
-    text = (f"# Speed through the Trainer (finetune_trainer.py, 2 ranks on gloo)\n\nWritten by `python "
+    text = (f"# Speed through the Trainer (finetune_trainer.py, 2 ranks on gloo; the sharded runs' all-gathers and "
+            f"reduce-scatters through shared memory, DDP's all-reduce gloo's)\n\nWritten by `python "
             f"{' '.join(sys.argv)}` (bench/trainer_speed.py); CPU: {meta['cpu']}, {os.cpu_count()} cores. fp32, batch 8 "
             f"a rank, 64 + 64 tokens, {args.steps} steps a run, {args.rounds} interleaved rounds; train_runtime is the "
             f"Trainer's.\n\n{table(runs, args.models)}\n")  # fmt: skip
