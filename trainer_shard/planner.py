@@ -260,31 +260,26 @@ class Units:
         forward and in reverse in backward, and released after its own pass."""
         from .sharding.zero3.pool import choose_storage
 
-        order = list(self.inner)
-        events = [(True, "root")] if self.root else []
-        for sequence in (order, order[::-1]):
-            for i in range(len(sequence)):
+        events = [(True, "root", self.root)] if self.root else []  # (gathered, or released; which; size)
+        for direction, sizes in (("forward", self.inner), ("backward", self.inner[::-1])):
+            for i, size in enumerate(sizes):
                 if i == 0:
-                    events.append((True, i, sequence))
-                if i + 1 < len(sequence):
-                    events.append((True, i + 1, sequence))
-                events.append((False, i, sequence))
+                    events.append((True, (direction, 0), size))
+                if i + 1 < len(sizes):
+                    events.append((True, (direction, i + 1), sizes[i + 1]))
+                events.append((False, (direction, i), size))
         if self.root:
-            events.append((False, "root"))
+            events.append((False, "root", self.root))
         free, lent = [], {}
         for _ in range(3):
-            for event in events:
-                key = (event[1], id(event[2])) if len(event) == 3 else event[1]
-                size = self.root if key == "root" else event[2][event[1]]
-                if event[0]:
-                    take, drop = choose_storage(free, size)
-                    if take is not None:
-                        free.remove(take)
-                    elif drop is not None:
-                        free.remove(drop)
-                    lent[key] = take if take is not None else size
-                else:
+            for gathered, key, size in events:
+                if not gathered:
                     free.append(lent.pop(key))
+                    continue
+                take, drop = choose_storage(free, size)
+                if take is not None or drop is not None:
+                    free.remove(take if take is not None else drop)
+                lent[key] = take if take is not None else size
         return sum(free)
 
 
