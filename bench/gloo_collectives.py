@@ -2,11 +2,14 @@
 trainer_shard/comm.py and bench/results/sharding.md).
 
     torchrun --nproc_per_node 2 bench/gloo_collectives.py
+    TRAINER_SHARD_SHM_COLLECTIVES=0 torchrun --nproc_per_node 2 bench/gloo_collectives.py
+
+`comm.reduce_scatter` and `comm.all_gather` go through shared memory when the ranks share a
+host, through gloo point to point with TRAINER_SHARD_SHM_COLLECTIVES=0 (the rows say which).
 
 For each size: median of 10 timed calls (after 2 warm-up) of: torch's all-reduce and a copy of
 this rank's chunk (the old reduce-scatter), `comm.reduce_scatter` (point to point), torch's
-reduce-scatter, one broadcast per chunk (the old all-gather) and `comm.all_gather` (point to
-point). Prints a markdown table on rank 0.
+reduce-scatter, one broadcast per chunk (the old all-gather) and `comm.all_gather`. Prints a markdown table on rank 0.
 """
 
 import statistics
@@ -26,6 +29,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
+    via = "shared memory" if comm._shared_memory(None, torch.zeros(1)) is not None else "point to point"
     for mb in (16, 64):
         numel = mb * 2**20 // 4 // world * world
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
@@ -51,9 +55,9 @@ def main() -> None:
         def gather_point_to_point():
             comm.all_gather(full, out)
 
-        cases = [("reduce: all-reduce + slice", all_reduce_slice), ("reduce: comm.reduce_scatter (point to point)", point_to_point),
+        cases = [("reduce: all-reduce + slice", all_reduce_slice), (f"reduce: comm.reduce_scatter ({via})", point_to_point),
                  ("reduce: torch reduce_scatter_tensor", torch_reduce_scatter), ("gather: one broadcast per chunk", broadcasts),
-                 ("gather: comm.all_gather (point to point)", gather_point_to_point)]  # fmt: skip
+                 (f"gather: comm.all_gather ({via})", gather_point_to_point)]  # fmt: skip
         for name, fn in cases:
             times = []
             for i in range(12):

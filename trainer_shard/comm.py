@@ -99,7 +99,8 @@ class _Then:
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """Sum `input` over ranks; rank r receives chunk r into `output`. `input` may be overwritten.
 
-    On gloo, whose reduce-scatter and all-reduce both move the whole tensor through every rank,
+    CPU ranks of one host use shared memory ([Note: shared-memory collectives] in shm_comm.py).
+    Otherwise on gloo, whose reduce-scatter and all-reduce both move the whole tensor through every rank,
     each rank sends chunk j of its `input` straight to rank j and receives every peer's chunk r
     (point to point), then sums them in rank order: the bytes an optimal reduce-scatter moves.
     Measured by `bench/gloo_collectives.py` (2 ranks, medians of three runs): 16 MB 12.3 ms
@@ -124,9 +125,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
 
             def finish():
                 parts = [input[rank * n : (rank + 1) * n] if peer == rank else received[peer] for peer in range(world)]
-                torch.add(parts[0], parts[1], out=output)  # in rank order on every rank; one pass for the first two
-                for part in parts[2:]:
-                    output.add_(part)
+                shm_comm.sum_in_rank_order(parts, output)
                 received.clear()
 
             handle = _Then(_All(works, "reduce_scatter"), finish, "reduce_scatter")
@@ -147,7 +146,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
     `output` itself (in place). See [Note: collective calls].
 
-    On gloo, all-gather measured slower than even an all-reduce of the full output (2 ranks,
+    CPU ranks of one host use shared memory ([Note: shared-memory collectives] in shm_comm.py).
+    Otherwise on gloo, all-gather measured slower than even an all-reduce of the full output (2 ranks,
     64 MB: 72 ms against 48 ms), while one broadcast per chunk took 22 ms; so there each rank
     broadcasts its chunk straight into everyone's `output`, measured faster again than sending
     it point to point (`bench/gloo_collectives.py`, 2 ranks, 64 MB: 18-23 ms against 28-31 ms).

@@ -90,9 +90,8 @@ class ShmGroup:
     """The shared-memory transport of one gloo group whose ranks are all on this host. Made by
     `for_group` (collective); `all_gather` and `reduce_scatter` run on the group's thread."""
 
-    def __init__(self, rank: int, world: int, path: str, pids: list, timeout: float):
+    def __init__(self, rank: int, world: int, pids: list, timeout: float):
         self.rank, self.world, self.pids, self.timeout = rank, world, pids, timeout
-        self.path = path
         self.slots, self.counters = [], []
         self.seq = 0  # chunks done, alike on every rank
         self._jobs = queue.SimpleQueue()
@@ -219,14 +218,19 @@ class ShmGroup:
                 else:
                     self._wait(peer, 0, seq)
                     parts.append(self._slot(peer, input.dtype)[rank * size : (rank + 1) * size])
-            target = flat_out[start:end]
-            torch.add(parts[0], parts[1], out=target)  # in rank order, as comm.py's gloo path
-            for part in parts[2:]:
-                target.add_(part)
+            sum_in_rank_order(parts, flat_out[start:end])
             self.counters[rank][1] = seq
 
     def _slot(self, peer: int, dtype: torch.dtype) -> torch.Tensor:
         return self.slots[peer].view(dtype)
+
+
+def sum_in_rank_order(parts: list, out: torch.Tensor) -> None:
+    """`out` = parts[0] + parts[1] + ..., in that order (every rank's reduce-scatter, on either
+    transport, adds the same numbers in the same order: the same bits on every path)."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
 
 
 _GROUPS = {}  # process group -> ShmGroup or None (not usable), made once per group
@@ -261,8 +265,7 @@ def for_group(group, timeout: float | None = None):
         reasons.append("the ranks are on several hosts")
     made = None
     if not reasons:
-        made = ShmGroup(rank, world, path, [e["pid"] for e in everyone],
-                        timeout if timeout is not None else _group_timeout(pg))  # fmt: skip
+        made = ShmGroup(rank, world, [e["pid"] for e in everyone], timeout if timeout is not None else _group_timeout(pg))
         made.map_peers([e["path"] for e in everyone])
         dist.barrier(group=pg)  # every rank has mapped every file: they can go
     if path is not None:
