@@ -205,3 +205,35 @@ def test_ranks_close_in_any_order(tmp_path):
         assert (tmp_path / "nvme" / PARAM_FOLDER / "rank2").is_dir()
     ranks[2].close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_background_job_holds_nothing_once_its_result_is_set():
+    """[Note: a finished job keeps nothing]: when the waiting thread wakes, the job's function and
+    arguments are already dropped (a plain ThreadPoolExecutor still holds them here, until its
+    worker next runs Python: a dropped model stayed alive through gc.collect())."""
+    import threading
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainer_shard.offload.workers import Workers
+
+    class Owner:
+        def work(self, tensor):
+            return tensor.sum()
+
+    def held_when_done(pool_class):
+        pool = pool_class(1)
+        owner, tensor = Owner(), torch.ones(4)
+        refs = (weakref.ref(owner), weakref.ref(tensor))
+        gate = threading.Event()
+        future = pool.submit(lambda o, t: (gate.wait(), o.work(t))[1], owner, tensor)
+        del owner, tensor
+        seen = []  # done callbacks run on the worker, as the result is set
+        future.add_done_callback(lambda f: seen.append([r() is not None for r in refs]))
+        gate.set()
+        assert float(future.result()) == 4.0
+        pool.shutdown(wait=True)
+        return seen[0]
+
+    assert held_when_done(ThreadPoolExecutor) == [True, True]  # the trap, so the check can fail
+    assert held_when_done(Workers) == [False, False]

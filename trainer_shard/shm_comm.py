@@ -125,14 +125,17 @@ class ShmGroup:
             if job is None:
                 return
             future, fn, args = job
+            del job  # the tensors go with `args` before the result is set: [Note: a finished job keeps nothing]
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the rank that waits for it
+                del fn, args
                 future.set_exception(e)
                 self._fail_rest(e)
             else:
+                del fn, args
                 future.set_result(None)
 
     def _fail_rest(self, error: BaseException) -> None:

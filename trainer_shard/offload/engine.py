@@ -37,7 +37,6 @@ The parts, one concern a module:
 import logging
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +46,7 @@ from .chunk_step import ChunkStep, _cpu_defaults, per_element_state
 from .device_link import _DeviceLink, _param_views  # `_link` looks `_DeviceLink` up here (tests patch it)
 from .store import CpuStore, DiskStore, bytes_needed
 from .store_io import StoreIO
+from .workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ class OffloadEngine(ChunkStep, StoreIO):
         if self.store is None:
             if self.spec.device == "nvme":
                 self.store = DiskStore(sizes, self.spec.nvme_path, rank=self.rank)
-                self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainer_shard-offload")
-                self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer_shard-flush")
+                self._io = Workers(max_workers=2, thread_name_prefix="trainer_shard-offload")
+                self._flusher = Workers(max_workers=1, thread_name_prefix="trainer_shard-flush")
                 logger.info("offload: %s bytes of shard state on disk in %s", f"{bytes_needed(sizes):,}", self.store.folder)
             else:
                 self.store = CpuStore(sizes, pin_memory=self.spec.pin_memory)

@@ -31,13 +31,13 @@ in RAM of the model is its parameter shards: t5-large in fp32 on 2 ranks, 1.37 G
 
 import collections
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .store import CpuStore, DiskStore, StoreRole, bytes_needed
+from .workers import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,8 @@ class ParamStore:
         self.spec, self.rank, self.disk = spec, rank, disk
         self.ram = CpuStore(ram, pin_memory=spec is not None and spec.pin_memory)
         threads = disk is not None
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="trainer_shard-params") if threads and reader else None
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="trainer_shard-grads") if threads else None
+        self._reader = Workers(1, thread_name_prefix="trainer_shard-params") if threads and reader else None
+        self._writer = Workers(1, thread_name_prefix="trainer_shard-grads") if threads else None
         self._writes = collections.deque()  # futures of `write_async`, oldest first
 
     def on_disk(self, name: str) -> bool:

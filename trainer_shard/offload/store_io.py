@@ -59,10 +59,6 @@ class StoreIO:
             chunk["grad"] = self._read_grad(self.flats[index], start, end, slot)
         return chunk
 
-    def _flush(self, index: int, start: int, numel: int) -> None:
-        for name in self.names:
-            self.store.flush(self._key(index, name), start, numel)
-
     def _read_grad(self, flat, start: int, end: int, slot: int) -> torch.Tensor:
         """A gradient chunk of a flat that keeps its gradients in its own store (ZeRO-3, on disk)."""
         key = (slot, flat.grad.dtype)
@@ -89,7 +85,8 @@ class StoreIO:
         else:
             for name in self.names:
                 self.store.write(self._key(index, name), start, chunk[name])
-        self._flusher.submit(self._flush, index, start, numel)
+        # the store, not the engine: the write-back outlasts the step ([Note: a finished job keeps nothing])
+        self._flusher.submit(_flush, self.store, [self._key(index, name) for name in self.names], start, numel)
         if params is not None:
             flat.write_shard(start, params)
 
@@ -125,3 +122,8 @@ class StoreIO:
     def state_bytes(self) -> dict:
         where = "disk" if isinstance(self.store, DiskStore) else "cpu"
         return {"offload_device": where, "offload_bytes": bytes_needed(self.store.sizes) if self.store else 0}
+
+
+def _flush(store, names, start: int, numel: int) -> None:
+    for name in names:
+        store.flush(name, start, numel)
