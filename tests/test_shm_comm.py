@@ -86,3 +86,97 @@ def switched_off(rank, world_size):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("TRAINER_SHARD_SHM_COLLECTIVES", "0")
     spawn(switched_off, 2, fresh=True)
+
+
+# ---- [Note: gathered in shared memory] --------------------------------------------------------
+
+
+def edits_on_every_rank(rank, world_size):
+    """ZeRO-3 on 2 ranks, gathered buffers in shared memory: edits that every rank makes (`gathered(
+    writeback=True)`, also nested in a plain `gathered()` whose buffers are shared already, and
+    `load_state_dict`) count once, as on the unsharded model; training goes on from them."""
+    from test_zero3_lifecycle import LR, UNITS, data, make
+
+    from trainer_shard.sharding import shard_model
+
+    model = make()
+    plain = make()
+    sharded = shard_model(model, units=UNITS, persistence_threshold=0)
+    shm = shm_comm.for_group(None)
+    for step in range(2):  # the pool holds shared storages from here
+        x, y = data(step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p in sharded.shard_parameters():
+            p.grad = None
+    assert shm.zero_copy_gathers > 0
+    want = {k: v * 0.5 for k, v in plain.state_dict().items()}
+    with sharded.gathered(writeback=True):
+        for p in model.parameters():
+            p.data.mul_(0.5)
+    got = sharded.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want if k != "scale"), "an edit made twice, or lost"
+    with sharded.gathered(), sharded.gathered(writeback=True):  # the outer gather's buffers are shared
+        for p in model.parameters():
+            p.data.mul_(2.0)
+    want = {k: v * 2.0 for k, v in want.items()}
+    got = sharded.full_state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want if k != "scale"), "an edit made twice, or lost"
+    model.load_state_dict({k: v + 1 for k, v in want.items()})
+    assert all(torch.equal(sharded.full_state_dict()[k], want[k] + 1) for k in want)
+    plain.load_state_dict({k: v + 1 for k, v in want.items()})
+    opt = torch.optim.AdamW(sharded.shard_parameters(), lr=LR)  # and it trains on as the plain model does
+    ref = torch.optim.AdamW(plain.parameters(), lr=LR)
+    x, y = data(5)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.functional.cross_entropy(plain(x), y).backward()
+    sharded.clip_grad_norm_(1e9)
+    opt.step(), ref.step()
+    got = sharded.full_state_dict()
+    diffs = {k: (got[k] - v).abs().max().item() for k, v in plain.state_dict().items()}
+    assert max(diffs.values()) < 1e-6, diffs
+    sharded.close()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+
+
+def test_edits_every_rank_makes_count_once_on_shared_gathered_buffers():
+    spawn(edits_on_every_rank, 2, fresh=True)
+
+
+def diverging(rank, world_size):
+    """Two ranks gathering into different shared storages raise on both, naming it."""
+    shm = shm_comm.for_group(None)
+    first, second = shm.new_storage(64), shm.new_storage(64)
+    storage, number = (first, second)[rank]
+    out = torch.empty(0).set_(storage).view(torch.float32)
+    with pytest.raises(shm_comm.ShmCollectiveError, match="different buffers"):
+        comm.all_gather(out, torch.ones(8), shared=(number, 1, 64))
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+
+
+def test_ranks_gathering_into_different_shared_buffers_raise():
+    spawn(diverging, 2, fresh=True)
+
+
+def no_room_on_one_rank(rank, world_size):
+    """/dev/shm full for rank 1 (posix_fallocate fails, as it does there with ENOSPC): its buffer
+    is its own memory and the gather goes through the slots, on both ranks, still exact."""
+    import errno
+
+    shm = shm_comm.for_group(None)
+    if rank == 1:
+        def full(*args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+    storage, number = shm.new_storage(4 * 2 * 1000)
+    assert (number == -1) == (rank == 1)
+    out = torch.empty(0).set_(storage).view(torch.float32)
+    before = shm.zero_copy_gathers
+    comm.all_gather(out, torch.full((1000,), float(rank + 1)), shared=(number, 1 if number >= 0 else 0, out.nbytes))
+    assert torch.equal(out, torch.tensor([1.0, 2.0]).repeat_interleave(1000))
+    assert shm.zero_copy_gathers == before
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+
+
+def test_a_rank_without_room_in_dev_shm_gathers_through_the_slots():
+    spawn(no_room_on_one_rank, 2, fresh=True)

@@ -11,7 +11,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 from transformers.models.t5.modeling_t5 import T5Block, T5LayerFF, T5Stack
 
 from distributed import spawn
-from trainer_shard import ShardingError
+from trainer_shard import ShardingError, shm_comm
 from trainer_shard.sharding.zero3 import GatherPool, shard_model
 
 STEPS, BATCH, LR, CLIP, THRESHOLD = 3, 6, 1e-3, 0.5, 100
@@ -89,6 +89,8 @@ def train_sharded(rank, world_size, units, steps=STEPS, group=None, groups=False
         if step == 1:  # the first forward records the order, prefetch starts in the second
             pool_size = sharded.pool.created
     assert sharded.pool.created == pool_size, "gathering still allocates after the second step"
+    if world_size > 1:  # the ranks' gathered buffers were one memory: [Note: gathered in shared memory]
+        assert shm_comm.for_group(group).zero_copy_gathers >= len(sharded.units) * steps
     return model, sharded, norms
 
 

@@ -71,6 +71,14 @@ def _shared_memory(group, tensor: torch.Tensor):
     return shm_comm.for_group(group) if tensor.device.type == "cpu" else None
 
 
+def shared_memory_group(group=None):
+    """The group's shared-memory transport where its collectives of CPU tensors go through one,
+    else None. Collective the first time for a group (as its first collective is)."""
+    if not is_distributed(group) or not _uses_gloo(group):
+        return None
+    return shm_comm.for_group(group)
+
+
 class _Future:
     """The handle of a collective running on a shared-memory group's thread."""
 
@@ -142,9 +150,10 @@ def _global(group, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group else rank
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False, shared=None):
     """Concatenate every rank's `input` into `output`; `input` may be this rank's chunk of
-    `output` itself (in place). See [Note: collective calls].
+    `output` itself (in place). See [Note: collective calls]. `shared`: `output` is a storage of
+    the group's shared-memory transport, and this its token (`GatherPool.gather_token`).
 
     CPU ranks of one host use shared memory ([Note: shared-memory collectives] in shm_comm.py).
     Otherwise on gloo, all-gather measured slower than even an all-reduce of the full output (2 ranks,
@@ -154,6 +163,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     NCCL gets the real all-gather.
     """
     rank, n = (dist.get_rank(group) if is_distributed(group) else 0), input.numel()
+    if shared is not None:  # this rank writes its part on the group's thread: [Note: gathered in shared memory]
+        shm = shm_comm.for_group(group)
+        with record_function("trainer_shard::all_gather"):
+            handle = _Future(shm.submit(shm.all_gather_shared, output, input, shared), "all_gather")
+        return handle if async_op else handle.wait()
     mine = output[rank * n : (rank + 1) * n]
     if mine.data_ptr() != input.data_ptr():
         mine.copy_(input)

@@ -24,6 +24,27 @@ every peer has read the last one. One copy in and one out, no kernel, no sockets
 - Used only on x86-64, whose stores are seen by other cores in the order made (the counter is
   written after the data); elsewhere, on a group that spans hosts, or with
   TRAINER_SHARD_SHM_COLLECTIVES=0, comm.py uses gloo's sockets, and says so once at INFO level.
+
+[Note: gathered in shared memory] ZeRO-3 gathers every unit twice a step (forward, backward),
+and through the slots a gather copies each rank's part in and every part out again: 1.5 times
+the buffer a rank. Every rank gathers the same units into the same buffers in the same order,
+so the gather pool (sharding/zero3/pool.py) takes the storages of those gathers from here
+(`new_storage`): file number k in /dev/shm, mapped by every rank, the k-th made on each. A
+gather then writes this rank's part into the one memory and waits for the peers' parts to be
+written: half the buffer a rank, nothing copied out.
+- Before writing, each rank announces (storage, how many gathers into it, bytes) and waits for
+  every peer's announcement of the same gather. A peer that announces storage k has released
+  its last use of k (its pool lent k again), so no rank writes into memory a peer still reads;
+  ranks announcing different storages raise `ShmCollectiveError` (nothing written).
+- Only gathers whose buffers nothing else writes share memory: the step writes the shards, not
+  the buffers. Edits that every rank makes to gathered parameters (`gathered(writeback=True)`,
+  `load_state_dict`) would be made once a rank on one memory, so those buffers move to memory of
+  their own first (`GatherPool.privatize`); parameters read from disk (read into the buffer
+  ahead of the gather) keep their own memory too.
+- `posix_fallocate` reserves a storage's pages when it is made: where /dev/shm has no room,
+  that rank's storage is its own memory (a warning says so) and gathers into it go through the
+  slots, on every rank. A storage's file is unlinked at its first gather (every rank has mapped
+  it by then), and files of processes that are gone are swept when a group is made.
 """
 
 import logging
@@ -44,8 +65,10 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 SLOT_BYTES = 8 * 2**20  # each rank's slot: 8 MiB (both count in each rank's RSS once touched)
-_HEADER = 64  # bytes before a slot's data: the counters (int64 written, int64 read)
+_HEADER = 64  # bytes before a slot's data: int64 counters (written, read, announced) and a shared gather's token
+_WRITTEN, _READ, _ANNOUNCED, _STORAGE, _USE, _NBYTES = range(6)  # the header's int64 fields
 _ENV = "TRAINER_SHARD_SHM_COLLECTIVES"
+_SHM = "/dev/shm"
 _LIVENESS_S = 0.5  # how often a waiting rank checks that the peer's process is there
 
 
@@ -90,17 +113,51 @@ class ShmGroup:
     """The shared-memory transport of one gloo group whose ranks are all on this host. Made by
     `for_group` (collective); `all_gather` and `reduce_scatter` run on the group's thread."""
 
-    def __init__(self, rank: int, world: int, pids: list, timeout: float):
+    def __init__(self, rank: int, world: int, pids: list, timeout: float, name: str = ""):
         self.rank, self.world, self.pids, self.timeout = rank, world, pids, timeout
+        self.name = name  # alike on every rank: the shared gather storages' file names
         self.slots, self.counters = [], []
         self.seq = 0  # chunks done, alike on every rank
         self._jobs = queue.SimpleQueue()
         self._thread = None
+        self.made = 0  # shared gather storages made (alike on every rank): the next one's number
+        self._unlink = {}  # number -> file, until every rank has it mapped
+        self.zero_copy_gathers = 0
+
+    # ---- shared gather storages: see [Note: gathered in shared memory] -----------------------
+
+    def new_storage(self, nbytes: int) -> tuple:
+        """(storage, its number): storage number `made` for gathered buffers, mapped from
+        /dev/shm where every rank maps the same one (every rank makes its storages in the same
+        order); where /dev/shm has no room, (this rank's own memory, -1), its gathers then
+        through the slots. Not collective."""
+        number, self.made = self.made, self.made + 1
+        path = os.path.join(_SHM, f"trainer_shard-{self.name}-{number}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # the pages reserved now: a full /dev/shm is ENOSPC, not SIGBUS
+            finally:
+                os.close(fd)
+            storage = torch.UntypedStorage.from_file(path, True, nbytes)
+        except (OSError, RuntimeError) as e:
+            _unlink(path)
+            if "no room" not in _SAID:
+                _SAID.add("no room")
+                logger.warning("no room in /dev/shm for a gathered buffer of %s bytes (%s): gathers into it copy "
+                               "through the transport's slots instead", f"{nbytes:,}", e)  # fmt: skip
+            return torch.UntypedStorage(nbytes), -1
+        self._unlink[number] = path
+        return storage, number
+
+    def forget(self, number: int) -> None:
+        """Storage `number` is dropped (its file goes, if no gather into it has run yet)."""
+        _unlink(self._unlink.pop(number, None))
 
     def map_peers(self, paths: list) -> None:
         for path in paths:
             segment = torch.from_file(path, shared=True, size=_HEADER + SLOT_BYTES, dtype=torch.uint8)
-            self.counters.append(segment[:16].view(torch.int64))
+            self.counters.append(segment[:_HEADER].view(torch.int64))
             self.slots.append(segment[_HEADER:])
 
     def close(self) -> None:
@@ -108,6 +165,9 @@ class ShmGroup:
             self._jobs.put(None)
             self._thread = None
         self.slots, self.counters = [], []
+        for path in self._unlink.values():
+            _unlink(path)
+        self._unlink = {}
 
     # ---- the group's thread ----------------------------------------------------------------
 
@@ -149,7 +209,7 @@ class ShmGroup:
     # ---- waiting for peers -------------------------------------------------------------------
 
     def _wait(self, peer: int, which: int, seq: int) -> None:
-        """Until rank `peer`'s counter `which` (0 written, 1 read) reaches `seq`."""
+        """Until rank `peer`'s counter `which` (`_WRITTEN`, `_READ`, `_ANNOUNCED`) reaches `seq`."""
         counter = self.counters[peer]
         if int(counter[which]) >= seq:
             return
@@ -178,7 +238,7 @@ class ShmGroup:
         self.seq += 1
         for peer in range(self.world):
             if peer != self.rank:
-                self._wait(peer, 1, self.seq - 1)
+                self._wait(peer, _READ, self.seq - 1)
         return self.seq
 
     # ---- the collectives (on the group's thread) -------------------------------------------
@@ -193,12 +253,49 @@ class ShmGroup:
             end = min(n, start + step)
             seq = self._next()
             me[: end - start].copy_(flat_in[start:end])
-            self.counters[self.rank][0] = seq
+            self.counters[self.rank][_WRITTEN] = seq
             for peer in range(self.world):
                 if peer != self.rank:
-                    self._wait(peer, 0, seq)
+                    self._wait(peer, _WRITTEN, seq)
                     flat_out[peer * n + start : peer * n + end].copy_(self._slot(peer, input.dtype)[: end - start])
-            self.counters[self.rank][1] = seq
+            self.counters[self.rank][_READ] = seq
+
+    def all_gather_shared(self, output: torch.Tensor, input: torch.Tensor, token) -> None:
+        """`all_gather` into `output`, the whole of a storage of `new_storage`; `token`: (its
+        number, gathers into it so far, bytes), alike on every rank: see [Note: gathered in
+        shared memory]."""
+        seq = self._next()
+        mine = self.counters[self.rank]
+        number, use, nbytes = token
+        mine[_STORAGE], mine[_USE], mine[_NBYTES] = number, use, nbytes
+        mine[_ANNOUNCED] = seq
+        said = {}
+        for peer in range(self.world):
+            if peer != self.rank:
+                self._wait(peer, _ANNOUNCED, seq)
+            counters = self.counters[peer]
+            said[peer] = (int(counters[_STORAGE]), int(counters[_USE]), int(counters[_NBYTES]))
+        _unlink(self._unlink.pop(number, None))  # every rank that could map it has by now
+        shared = {t for t in said.values() if t[0] >= 0}
+        if len(shared) > 1 or len({t[2] for t in said.values()}) > 1:
+            raise ShmCollectiveError("the ranks gathered into different buffers (rank: (buffer, its use, bytes) "
+                                     f"{said}): their gathers no longer pair up")  # fmt: skip
+        if len(shared) == 1 and all(t[0] >= 0 for t in said.values()):
+            n = input.numel()  # the same buffer on every rank: each writes its part, and the gather is done
+            output.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(input.reshape(-1))
+            mine[_WRITTEN] = seq
+            for peer in range(self.world):
+                if peer != self.rank:
+                    self._wait(peer, _WRITTEN, seq)
+            mine[_READ] = seq
+            self.zero_copy_gathers += 1
+            return
+        mine[_WRITTEN] = mine[_READ] = seq  # a rank with its own memory there: through the slots
+        n = input.numel()
+        mine_part = output.view(-1)[self.rank * n : (self.rank + 1) * n]
+        if mine_part.data_ptr() != input.data_ptr():
+            mine_part.copy_(input.reshape(-1))
+        self.all_gather(output, mine_part)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """`output` (n) gets the sum over ranks of their `input`'s chunk `rank`, summed in rank order."""
@@ -213,16 +310,16 @@ class ShmGroup:
             for peer in range(world):
                 if peer != rank:
                     me[peer * size : (peer + 1) * size].copy_(flat_in[peer * n + start : peer * n + end])
-            self.counters[rank][0] = seq
+            self.counters[rank][_WRITTEN] = seq
             parts = []
             for peer in range(world):
                 if peer == rank:
                     parts.append(flat_in[rank * n + start : rank * n + end])
                 else:
-                    self._wait(peer, 0, seq)
+                    self._wait(peer, _WRITTEN, seq)
                     parts.append(self._slot(peer, input.dtype)[rank * size : (rank + 1) * size])
             sum_in_rank_order(parts, flat_out[start:end])
-            self.counters[rank][1] = seq
+            self.counters[rank][_READ] = seq
 
     def _slot(self, peer: int, dtype: torch.dtype) -> torch.Tensor:
         return self.slots[peer].view(dtype)
@@ -255,24 +352,28 @@ def for_group(group, timeout: float | None = None):
     why, path = usable_here(), None
     if why is None:
         try:
-            fd, path = tempfile.mkstemp(prefix=f"trainer_shard-{uuid.uuid4().hex[:8]}-rank{rank}-", dir="/dev/shm")
+            _sweep()
+            fd, path = tempfile.mkstemp(prefix=f"trainer_shard-g{os.getpid()}x{uuid.uuid4().hex[:8]}-rank{rank}-",
+                                        dir=_SHM)  # fmt: skip
             os.ftruncate(fd, _HEADER + SLOT_BYTES)
             os.close(fd)
         except OSError as e:
             why, path = f"cannot make a file in /dev/shm: {e.strerror or e}", None
-    mine = {"host": _host_id(), "pid": os.getpid(), "path": path, "why": why}
+    mine = {"host": _host_id(), "pid": os.getpid(), "path": path, "why": why, "name": f"g{os.getpid()}x{uuid.uuid4().hex[:8]}"}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=pg)
     reasons = sorted({f"rank {r}: {e['why']}" for r, e in enumerate(everyone) if e["why"]})
     if len({e["host"] for e in everyone}) > 1:
         reasons.append("the ranks are on several hosts")
     made = None
-    if not reasons:
-        made = ShmGroup(rank, world, [e["pid"] for e in everyone], timeout if timeout is not None else _group_timeout(pg))
-        made.map_peers([e["path"] for e in everyone])
-        dist.barrier(group=pg)  # every rank has mapped every file: they can go
-    if path is not None:
-        os.unlink(path)
+    try:
+        if not reasons:
+            made = ShmGroup(rank, world, [e["pid"] for e in everyone],
+                            timeout if timeout is not None else _group_timeout(pg), name=everyone[0]["name"])  # fmt: skip
+            made.map_peers([e["path"] for e in everyone])
+            dist.barrier(group=pg)  # every rank has mapped every file: they can go
+    finally:
+        _unlink(path)
     _GROUPS[pg] = made
     key = "shm" if made else "; ".join(reasons)
     if key not in _SAID:
@@ -280,6 +381,29 @@ def for_group(group, timeout: float | None = None):
         logger.info("all-gather and reduce-scatter of %d CPU ranks: %s", world,
                     "through shared memory" if made else f"through gloo's sockets ({key})")  # fmt: skip
     return made
+
+
+def _unlink(path) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _sweep() -> None:
+    """Remove the files of processes that are gone (killed between making a file and the point
+    where every rank has mapped it): a slot, "trainer_shard-g<pid>x<id>-rank<r>-...", and a shared
+    gather storage, "trainer_shard-g<pid of rank 0>x<id>-<number>"."""
+    try:
+        names = os.listdir(_SHM)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith("trainer_shard-g") and "x" in name:
+            pid = name[len("trainer_shard-g") :].split("x", 1)[0]
+            if pid.isdigit() and not alive(int(pid)):
+                _unlink(os.path.join(_SHM, name))
 
 
 def storages() -> list:

@@ -80,7 +80,7 @@ def main(out, sharded_ddp):
         Path(out, "log.json").write_text(json.dumps(trainer.state.log_history))
     sharded = trainer.sharded_model
     units = max((u.numel * 4 for u in sharded.units), default=0) if sharded else 0
-    pool = sum(s.nbytes() for slots in sharded.pool.free.values() for s in slots) if sharded else 0
+    pool = sharded.pool.free_bytes if sharded else 0
     whole = sum(p.numel() * p.element_size() for p in sharded.persistent if not p.requires_grad) if sharded else 0
     Path(out, f"held{rank}.json").write_text(json.dumps({"live": [b - before for b in held.seen], "base": base_bytes,
                                                           "largest_unit": units, "pool": pool, "whole": whole}))  # fmt: skip

@@ -122,6 +122,8 @@ def _hold_for_load(unit, local_metadata: dict) -> None:
         raise ShardingError("load_state_dict(assign=True) would replace the sharded parameters; load without "
                             "assign (the values are copied into the shards)")  # fmt: skip
     _hold(unit)
+    for part in unit.parts:  # every rank copies the values in: on memory of its own
+        part.make_private()
 
 
 def _write_back(unit) -> None:

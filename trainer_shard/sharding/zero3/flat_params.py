@@ -176,7 +176,9 @@ class FlatParams(GradShard):
         (on the store's reader thread), ahead of the gather. Not collective."""
         if self.state is not UnitState.SHARDED:
             return
-        self.slot, self.state = self.pool.attach(self.buffer, self.nbytes), UnitState.LOADED
+        # shared between the ranks where the gather is all that writes it: [Note: gathered in shared memory]
+        self.slot = self.pool.attach(self.buffer, self.nbytes, shared=self.shard is not None)
+        self.state = UnitState.LOADED
         if self.shard is None:
             self.loading = self.store.read_async(self.store_name, 0, self._mine())
 
@@ -198,7 +200,8 @@ class FlatParams(GradShard):
             self.loading = None
         with record_function("trainer_shard::zero3_all_gather"):
             mine = self._mine() if self.shard is None else self.shard
-            self.pending = comm.all_gather(self.buffer, mine, self.group, async_op=True)
+            self.pending = comm.all_gather(self.buffer, mine, self.group, async_op=True,
+                                           shared=self.pool.gather_token(self.slot, self.nbytes))  # fmt: skip
         self.state = UnitState.GATHERING
 
     def wait(self) -> None:
@@ -222,6 +225,12 @@ class FlatParams(GradShard):
             self.pool.detach(self.buffer, self.slot)
             self.slot = None
         self.state = UnitState.SHARDED
+
+    def make_private(self) -> None:
+        """Gathered, in this rank's own memory (before edits every rank makes, which on memory
+        the ranks share would be made once a rank)."""
+        self.wait()
+        self.slot = self.pool.privatize(self.buffer, self.slot)
 
     @torch.no_grad()
     def write_back(self) -> None:

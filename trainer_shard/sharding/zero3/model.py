@@ -39,7 +39,8 @@ class ShardedModel(Lifecycle, CallCheck):
                 self.persistent_keys.append(key_of[p])
             else:
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype, p.requires_grad), []).append(p)
-        self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None)
+        self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None,
+                               shm=comm.shared_memory_group(group))  # fmt: skip
         module_names = {id(m): name for name, m in model.named_modules()}
         check = self._check_same_call if self.world_size > 1 and check_calls else None
         groups = [ps for module in unit_modules for ps in by_unit[id(module)].values()]
@@ -216,6 +217,9 @@ class ShardedModel(Lifecycle, CallCheck):
         for unit in units:
             unit.holds += 1
             unit.gather()
+            if writeback:  # every rank writes: on memory of its own ([Note: gathered in shared memory])
+                for part in unit.parts:
+                    part.make_private()
         try:
             yield
             if writeback:

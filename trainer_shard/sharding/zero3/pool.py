@@ -34,52 +34,92 @@ class GatherPool:
 
     pooled = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
-    def __init__(self, enabled: bool = True, limit: int | None = None):
+    def __init__(self, enabled: bool = True, limit: int | None = None, shm=None):
         if not enabled:
             self.pooled = False
         self.limit = limit  # at most this many storages, lent and free (parameter offload: buffer_count)
-        self.free = {}  # (nbytes, device) -> [UntypedStorage]
+        self.shm = shm if self.pooled else None  # the group's ShmGroup: [Note: gathered in shared memory]
+        self.free = {}  # (nbytes, device, shared) -> [(UntypedStorage, its shared number or None)]
+        self.uses = {}  # shared storage number -> gathers into it
         self.lent = 0
         self.created = 0
         self.created_bytes = 0
         self.dropped_bytes = 0  # of free storages let go (replaced by a larger one, or past `limit`)
 
-    def attach(self, buffer: torch.Tensor, nbytes: int):
-        """Give `buffer` (an empty storage) `nbytes` of memory; returns the token `detach` wants."""
+    def attach(self, buffer: torch.Tensor, nbytes: int, shared: bool = False):
+        """Give `buffer` (an empty storage) `nbytes` of memory, with `shared` (CPU ranks of one
+        host, the buffer's writes are the gather's alone) the memory every rank's same buffer
+        has; returns the token `detach` wants."""
         storage = buffer.untyped_storage()
         if not self.pooled:
             storage.resize_(nbytes)
             return None
+        shared = shared and self.shm is not None and storage.device.type == "cpu"
         self.lent += 1
-        slot = self._take(nbytes, storage.device)
+        slot = self._take(nbytes, storage.device, shared)
         if slot is None:
             if self.limit is not None and self.lent + self.free_count > self.limit:
                 self._drop_one()  # a free storage of another size goes: the limit counts storages
-            slot = torch.UntypedStorage(nbytes, device=storage.device)
+            slot = self.shm.new_storage(nbytes) if shared else (torch.UntypedStorage(nbytes, device=storage.device),
+                                                                None)  # fmt: skip
             self.created += 1
             self.created_bytes += nbytes
-        storage._swap_data_ptr_(slot)  # now `slot` is the empty one
+        storage._swap_data_ptr_(slot[0])  # now the token's storage is the empty one
         return slot
 
-    def detach(self, buffer: torch.Tensor, slot) -> None:
+    def detach(self, buffer: torch.Tensor, token) -> None:
         """Take the memory back from `buffer`, which is left with an empty storage."""
         storage = buffer.untyped_storage()
-        if slot is None:
+        if token is None:
             storage.resize_(0)
             return
-        storage._swap_data_ptr_(slot)
+        storage._swap_data_ptr_(token[0])
         self.lent -= 1
-        self.free.setdefault((slot.nbytes(), slot.device), []).append(slot)
+        self.free.setdefault(self._key(token), []).append(token)
 
-    def _take(self, nbytes: int, device):
-        """A free storage on `device` for `nbytes` (`choose_storage`), else None, after dropping
-        the free one the new storage replaces."""
-        take, drop = choose_storage([size for (size, where), slots in self.free.items() if where == device and slots],
-                                    nbytes)  # fmt: skip
+    def gather_token(self, token, nbytes: int):
+        """What `comm.all_gather(shared=)` wants for a gather into the buffer attached with
+        `token`: (storage number, gathers into it so far, bytes), or None where its memory is
+        this rank's alone."""
+        if token is None or token[1] is None:
+            return None
+        number = token[1]
+        self.uses[number] = self.uses.get(number, 0) + 1
+        return number, self.uses[number] if number >= 0 else 0, nbytes
+
+    def privatize(self, buffer: torch.Tensor, token):
+        """`buffer`'s memory (attached with `token`) made its own if shared, the values kept:
+        before edits that every rank makes (`gathered(writeback=True)`, `load_state_dict`). Returns
+        the token `detach` wants then."""
+        if token is None or token[1] is None:
+            return token
+        storage = buffer.untyped_storage()
+        nbytes = storage.nbytes()
+        own = self._take(nbytes, storage.device, False)
+        if own is None:
+            own = (torch.UntypedStorage(nbytes, device=storage.device), None)
+            self.created += 1
+            self.created_bytes += nbytes
+        storage._swap_data_ptr_(token[0])  # the shared memory back in the token, the buffer empty
+        storage._swap_data_ptr_(own[0])  # the buffer takes its own memory, `own` is empty: the new token
+        as_bytes = lambda st: torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)  # noqa: E731
+        as_bytes(storage)[: token[0].nbytes()].copy_(as_bytes(token[0]))  # `own` may be larger (up to twice)
+        self.free.setdefault(self._key(token), []).append(token)
+        return own
+
+    def _key(self, token) -> tuple:
+        """A free storage's list: (bytes, device, shared)."""
+        return token[0].nbytes(), token[0].device, token[1] is not None
+
+    def _take(self, nbytes: int, device, shared: bool = False):
+        """A free storage's token on `device` for `nbytes` (`choose_storage`), else None, after
+        dropping the free one the new storage replaces."""
+        take, drop = choose_storage([size for (size, where, kind), slots in self.free.items()
+                                     if where == device and kind == shared and slots], nbytes)  # fmt: skip
         if take is not None:
-            return self.free[(take, device)].pop()
+            return self.free[(take, device, shared)].pop()
         if drop is not None:
-            self.dropped_bytes += self.free[(drop, device)].pop().nbytes()
+            self._let_go(self.free[(drop, device, shared)].pop())
         return None
 
     @property
@@ -89,12 +129,19 @@ class GatherPool:
     def _drop_one(self) -> None:
         for slots in self.free.values():
             if slots:
-                self.dropped_bytes += slots.pop().nbytes()
+                self._let_go(slots.pop())
                 return
+
+    def _let_go(self, token) -> None:
+        self.dropped_bytes += token[0].nbytes()
+        if token[1] is not None:
+            self.shm.forget(token[1])
 
     @property
     def free_bytes(self) -> int:
-        return sum(s.nbytes() for slots in self.free.values() for s in slots)
+        return sum(token[0].nbytes() for slots in self.free.values() for token in slots)
 
     def clear(self) -> None:
+        for token in (token for slots in self.free.values() for token in slots if token[1] is not None):
+            self.shm.forget(token[1])
         self.free = {}
