@@ -138,10 +138,6 @@ def edits_on_every_rank(rank, world_size):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
 
 
-def test_edits_every_rank_makes_count_once_on_shared_gathered_buffers():
-    spawn(edits_on_every_rank, 2, fresh=True)
-
-
 def diverging(rank, world_size):
     """Two ranks gathering into different shared storages raise on both, naming it."""
     shm = shm_comm.for_group(None)
@@ -150,11 +146,9 @@ def diverging(rank, world_size):
     out = torch.empty(0).set_(storage).view(torch.float32)
     with pytest.raises(shm_comm.ShmCollectiveError, match="different buffers"):
         comm.all_gather(out, torch.ones(8), shared=(number, 1, 64))
+    shm.forget((second, first)[rank][1])  # the other one, dropped unused: its file goes
+    torch.distributed.barrier()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
-
-
-def test_ranks_gathering_into_different_shared_buffers_raise():
-    spawn(diverging, 2, fresh=True)
 
 
 def no_room_on_one_rank(rank, world_size):
@@ -167,8 +161,10 @@ def no_room_on_one_rank(rank, world_size):
         def full(*args):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        os.posix_fallocate = full
+        os.posix_fallocate, fallocate = full, os.posix_fallocate
     storage, number = shm.new_storage(4 * 2 * 1000)
+    if rank == 1:
+        os.posix_fallocate = fallocate
     assert (number == -1) == (rank == 1)
     out = torch.empty(0).set_(storage).view(torch.float32)
     before = shm.zero_copy_gathers
@@ -178,5 +174,13 @@ def no_room_on_one_rank(rank, world_size):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
 
 
-def test_a_rank_without_room_in_dev_shm_gathers_through_the_slots():
-    spawn(no_room_on_one_rank, 2, fresh=True)
+def shared_gathers(rank, world_size):
+    edits_on_every_rank(rank, world_size)
+    no_room_on_one_rank(rank, world_size)
+    diverging(rank, world_size)  # last: the group's later collectives fail after it
+
+
+def test_gathered_buffers_in_shared_memory():
+    """One launch: edits every rank makes count once; a rank without room in /dev/shm gathers
+    through the slots; ranks gathering into different shared buffers raise."""
+    spawn(shared_gathers, 2, fresh=True)
