@@ -60,6 +60,9 @@ def run_steps(model, opt, rank, *, steps=4, accumulation=2, clip=0.5, sharded=Fa
 
 
 def check_parity(rank, world_size, stage):
+    from trainer_shard.sharding import reducer
+
+    reducer.SPARE_BYTES = 0  # every bucket buffer kept for reuse ([Note: spare buckets]), not only > 32 MiB
     reference = DDP(make_model())
     ref_opt = torch.optim.AdamW(groups(reference.module), lr=3e-2)
     ours = make_model(seed=0 if rank == 0 else 7)  # rank 0's weights must win: the constructor broadcasts them
@@ -69,6 +72,8 @@ def check_parity(rank, world_size, stage):
     our_losses = run_steps(model, opt, rank, sharded=True)
     for (l1, n1), (l2, n2) in zip(ref_losses, our_losses):
         assert abs(l1 - l2) < 1e-6 and abs(n1 - n2) < 1e-5, (ref_losses, our_losses)
+    if stage == 2:  # reused, and no more kept than were alive at once
+        assert 0 < opt.reducer.spare_bytes <= opt.reducer.peak_bucket_bytes
     for (name, p), q in zip(reference.module.named_parameters(), ours.parameters()):
         assert torch.allclose(p, q, atol=1e-6, rtol=0), f"{name}: {(p - q).abs().max()}"
     # every rank ends with the same weights

@@ -32,6 +32,14 @@ a bf16 sum over 8 ranks is 2.2x as far from the exact mean as one rounding, over
 over 512 ranks 30x (bench/results/grad_reduction.md). An fp32 bucket also divides in fp32, so
 the division costs fp16's smallest gradients nothing.
 
+[Note: spare buckets] glibc maps every allocation larger than 32 MiB (its largest mmap threshold)
+fresh from the kernel and unmaps it when freed, so a bucket that large is faulted in, page by
+page, each time it is made: dividing a 38 MB gradient into a new bucket took 20 ms, into one made
+before 4 ms (t5-base's decoder blocks, a bucket each under ZeRO-3: 0.3 s a step). On the CPU such
+buffers are kept once reduced, by size, and the next bucket of that size takes one: at most as
+many as were alive at once, held between steps (`spare_bytes`). Smaller ones come from glibc's
+heap, which reuses them already. Not with one rank, whose bucket is the gradient itself.
+
 [Note: hooks belong to one optimizer] A parameter feeds one reducer: the hooks `add` registers
 are removed by `close()`, which `ShardedOptimizer.close()` calls, as does a newer optimizer on
 the same parameters for the one it replaces (see [Note: one optimizer per parameter] in owners.py).
@@ -42,6 +50,9 @@ from torch.autograd.profiler import record_function
 
 from .. import comm
 from .owners import post_accumulate_grad_hook
+
+SPARE_BYTES = 32 * 2**20
+"""Bucket buffers larger than this are kept for the next backward: see [Note: spare buckets]."""
 
 MAX_16BIT_RANKS = 8
 """Most ranks a 16-bit bucket is summed over by default; beyond, buckets are reduced in fp32. Over 8
@@ -57,21 +68,28 @@ def default_reduce_dtype(param_dtype, world_size: int):
 
 
 class _BucketState:
-    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled", "dtype", "launched")
+    __slots__ = ("flat", "bucket", "remaining", "buffer", "filled", "dtype", "launched", "made")
 
     def __init__(self, flat, bucket, dtype, at_end: bool = False):
         self.flat, self.bucket, self.dtype = flat, bucket, dtype
         # at_end: never complete before `finish` (a flat whose parameters may report again later)
         self.remaining = len(bucket.slots) + (1 if at_end else 0)
         self.buffer = None
+        self.made = False  # `buffer` is one of `ensure_buffer`'s (not a parameter's own gradient)
         self.filled = set()
         self.launched = False
 
-    def ensure_buffer(self):
-        """The bucket's buffer; every element gets written (gradients, or zeros by `zero_missing`)."""
+    def ensure_buffer(self, spare: dict):
+        """The bucket's buffer (a spare one of its size when there is: see [Note: spare
+        buckets]); every element gets written (gradients, or zeros by `zero_missing`)."""
         if self.buffer is None:
-            self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.dtype, device=self.flat.buffer.device)
+            kept = spare.get((self.bucket.padded_numel, self.dtype, self.flat.buffer.device))
+            if kept:
+                self.buffer = kept.pop()
+            else:
+                self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.dtype, device=self.flat.buffer.device)
             self.buffer[self.bucket.numel :].zero_()
+            self.made = True
         return self.buffer
 
     def zero_missing(self):
@@ -100,6 +118,7 @@ class GradReducer:
         self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
+        self._spare = {}  # (numel, dtype, device) -> [bucket buffers done with]: see [Note: spare buckets]
         self._handles = []
         self._reset()
 
@@ -176,7 +195,7 @@ class GradReducer:
                 state.buffer = _divided(grad.view(-1), self.world_size)  # reduce it where it is
             else:
                 start = slot.offset - bucket.offset
-                target = state.ensure_buffer()[start : start + slot.numel]
+                target = state.ensure_buffer(self._spare)[start : start + slot.numel]
                 _divided(grad.reshape(-1), self.world_size, out=target)
         if not had_buffer:
             self._count(state.buffer, +1)
@@ -211,7 +230,7 @@ class GradReducer:
     def _launch(self, state) -> None:
         """Reduce-scatter one bucket (zeros for gradients that did not arrive), asynchronously."""
         if state.buffer is None:
-            self._count(state.ensure_buffer(), +1)
+            self._count(state.ensure_buffer(self._spare), +1)
         if state.remaining > 0:
             state.zero_missing()
         while len(self.in_flight) >= self.max_in_flight:
@@ -237,7 +256,13 @@ class GradReducer:
         else:
             state.flat.add_to_grad(state.bucket, out, owned=True)  # already the mean: see [Note: 16-bit reduction]
         self._count(state.buffer, -1)
-        state.buffer = None
+        buffer, made, state.buffer, state.made = state.buffer, state.made, None, False
+        if made and self.world_size > 1 and buffer.device.type == "cpu" and buffer.numel() * buffer.element_size() > SPARE_BYTES:
+            self._spare.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for kept in self._spare.values() for b in kept)
 
     def _count(self, buffer, sign: int) -> None:
         self.bucket_bytes += sign * buffer.numel() * buffer.element_size()
