@@ -174,13 +174,36 @@ def no_room_on_one_rank(rank, world_size):
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
 
 
+def spare_buckets(rank, world_size):
+    """ZeRO-3 on 2 ranks with every bucket kept for the next of its size ([Note: spare buckets]
+    in reducer.py, there only past 32 MiB): 6 blocks of one size, so later buckets take the
+    earlier ones' buffers in the same backward; the weights are plain AdamW's on the whole model,
+    and no buffer is held between steps."""
+    from test_zero3_lifecycle import assert_close, reference, train
+
+    from trainer_shard.sharding import reducer
+
+    reducer.SPARE_BYTES = 0
+    try:
+        model, sharded = train(rank, world_size, n=6)
+    finally:
+        reducer.SPARE_BYTES = 32 * 2**20
+    grads = sharded.reducer
+    most = (grads.max_in_flight + 1) * max(s.bucket.padded_numel for s in grads.states) * 4
+    assert grads.reused > 0 and 0 < grads.peak_spare_bytes <= most and grads.spare_bytes == 0
+    assert_close(sharded.full_state_dict(), reference(n=6))
+    sharded.close()
+
+
 def shared_gathers(rank, world_size):
+    spare_buckets(rank, world_size)
     edits_on_every_rank(rank, world_size)
     no_room_on_one_rank(rank, world_size)
     diverging(rank, world_size)  # last: the group's later collectives fail after it
 
 
 def test_gathered_buffers_in_shared_memory():
-    """One launch: edits every rank makes count once; a rank without room in /dev/shm gathers
-    through the slots; ranks gathering into different shared buffers raise."""
+    """One launch: bucket buffers reused within a backward; edits every rank makes count once; a
+    rank without room in /dev/shm gathers through the slots; ranks gathering into different
+    shared buffers raise."""
     spawn(shared_gathers, 2, fresh=True)

@@ -35,10 +35,12 @@ the division costs fp16's smallest gradients nothing.
 [Note: spare buckets] glibc maps every allocation larger than 32 MiB (its largest mmap threshold)
 fresh from the kernel and unmaps it when freed, so a bucket that large is faulted in, page by
 page, each time it is made: dividing a 38 MB gradient into a new bucket took 20 ms, into one made
-before 4 ms (t5-base's decoder blocks, a bucket each under ZeRO-3: 0.3 s a step). On the CPU such
-buffers are kept once reduced, by size, and the next bucket of that size takes one: at most as
-many as were alive at once, held between steps (`spare_bytes`). Smaller ones come from glibc's
-heap, which reuses them already. Not with one rank, whose bucket is the gradient itself.
+before 4 ms (t5-base's decoder blocks, a bucket each under ZeRO-3). On the CPU such buffers are
+kept once reduced, by size, and the next bucket of that size in the same backward takes one: at
+most `max_in_flight` + 1 (as many as can be alive at once), and all let go at the end of backward, so nothing is held
+between steps (forward's memory and the step's, which the planner counts, do not change).
+Smaller ones come from glibc's heap, which reuses them already. Not with one rank, whose
+bucket is the gradient itself; nor a parameter's own gradient, reduced where it is.
 
 [Note: hooks belong to one optimizer] A parameter feeds one reducer: the hooks `add` registers
 are removed by `close()`, which `ShardedOptimizer.close()` calls, as does a newer optimizer on
@@ -118,7 +120,8 @@ class GradReducer:
         self.sync = True  # False inside `ShardedOptimizer.no_sync()`: gradients stay in `.grad`
         self.bucket_bytes = 0  # bucket memory alive right now, and its peak (for reports)
         self.peak_bucket_bytes = 0
-        self._spare = {}  # (numel, dtype, device) -> [bucket buffers done with]: see [Note: spare buckets]
+        self.reused = 0  # buckets that took a spare buffer, and the most spare bytes held (for tests)
+        self.peak_spare_bytes = 0
         self._handles = []
         self._reset()
 
@@ -156,6 +159,8 @@ class GradReducer:
         self.next_bucket = 0
         self.in_flight = []
         self.callback_queued = False
+        self._spare = {}  # (numel, dtype, device) -> [bucket buffers done with]: see [Note: spare buckets]
+        self._spare_order = []  # their keys, one a buffer kept, oldest first
 
     def reset(self) -> None:
         """Drop a backward that never finished (it raised): reductions in flight are waited for and
@@ -195,7 +200,7 @@ class GradReducer:
                 state.buffer = _divided(grad.view(-1), self.world_size)  # reduce it where it is
             else:
                 start = slot.offset - bucket.offset
-                target = state.ensure_buffer(self._spare)[start : start + slot.numel]
+                target = self._ensure_buffer(state)[start : start + slot.numel]
                 _divided(grad.reshape(-1), self.world_size, out=target)
         if not had_buffer:
             self._count(state.buffer, +1)
@@ -230,7 +235,7 @@ class GradReducer:
     def _launch(self, state) -> None:
         """Reduce-scatter one bucket (zeros for gradients that did not arrive), asynchronously."""
         if state.buffer is None:
-            self._count(state.ensure_buffer(self._spare), +1)
+            self._count(self._ensure_buffer(state), +1)
         if state.remaining > 0:
             state.zero_missing()
         while len(self.in_flight) >= self.max_in_flight:
@@ -259,10 +264,21 @@ class GradReducer:
         buffer, made, state.buffer, state.made = state.buffer, state.made, None, False
         if made and self.world_size > 1 and buffer.device.type == "cpu" and buffer.numel() * buffer.element_size() > SPARE_BYTES:
             self._spare.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
+            self._spare_order.append((buffer.numel(), buffer.dtype, buffer.device))
+            while len(self._spare_order) > self.max_in_flight + 1:  # the oldest goes
+                self._spare[self._spare_order.pop(0)].pop(0)
+            self.peak_spare_bytes = max(self.peak_spare_bytes, self.spare_bytes)
 
     @property
     def spare_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for kept in self._spare.values() for b in kept)
+
+    def _ensure_buffer(self, state):
+        key = (state.bucket.padded_numel, state.dtype, state.flat.buffer.device)
+        if state.buffer is None and self._spare.get(key):
+            self.reused += 1
+            self._spare_order.remove(key)
+        return state.ensure_buffer(self._spare)
 
     def _count(self, buffer, sign: int) -> None:
         self.bucket_bytes += sign * buffer.numel() * buffer.element_size()
