@@ -91,6 +91,10 @@ def test_switched_off_by_the_environment(monkeypatch):
 # ---- [Note: gathered in shared memory] --------------------------------------------------------
 
 
+def left(shm) -> list:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")]
+
+
 def edits_on_every_rank(rank, world_size):
     """ZeRO-3 on 2 ranks, gathered buffers in shared memory: edits that every rank makes (`gathered(
     writeback=True)`, also nested in a plain `gathered()` whose buffers are shared already, and
@@ -135,7 +139,9 @@ def edits_on_every_rank(rank, world_size):
     diffs = {k: (got[k] - v).abs().max().item() for k, v in plain.state_dict().items()}
     assert max(diffs.values()) < 1e-6, diffs
     sharded.close()
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+    torch.distributed.barrier()  # both closed: a storage made but never gathered into goes with its pool
+    assert not left(shm), ("files left", left(shm))
+    torch.distributed.barrier()  # the peer makes the next part's storages only after this rank looked
 
 
 def diverging(rank, world_size):
@@ -148,7 +154,8 @@ def diverging(rank, world_size):
         comm.all_gather(out, torch.ones(8), shared=(number, 1, 64))
     shm.forget((second, first)[rank][1])  # the other one, dropped unused: its file goes
     torch.distributed.barrier()
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+    assert not left(shm), ("files left", left(shm))
+    torch.distributed.barrier()  # the peer makes the next part's storages only after this rank looked
 
 
 def no_room_on_one_rank(rank, world_size):
@@ -171,7 +178,9 @@ def no_room_on_one_rank(rank, world_size):
     comm.all_gather(out, torch.full((1000,), float(rank + 1)), shared=(number, 1 if number >= 0 else 0, out.nbytes))
     assert torch.equal(out, torch.tensor([1.0, 2.0]).repeat_interleave(1000))
     assert shm.zero_copy_gathers == before
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"trainer_shard-{shm.name}")], "files left"
+    torch.distributed.barrier()
+    assert not left(shm), ("files left", left(shm))
+    torch.distributed.barrier()  # the peer makes the next part's storages only after this rank looked
 
 
 def spare_buckets(rank, world_size):

@@ -359,7 +359,8 @@ def for_group(group, timeout: float | None = None):
             os.close(fd)
         except OSError as e:
             why, path = f"cannot make a file in /dev/shm: {e.strerror or e}", None
-    mine = {"host": _host_id(), "pid": os.getpid(), "path": path, "why": why, "name": f"g{os.getpid()}x{uuid.uuid4().hex[:8]}"}
+    name = f"g{os.getpid()}x{uuid.uuid4().hex[:8]}"  # rank 0's names the group's gather storages
+    mine = {"host": _host_id(), "pid": os.getpid(), "path": path, "why": why, "name": name}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine, group=pg)
     reasons = sorted({f"rank {r}: {e['why']}" for r, e in enumerate(everyone) if e["why"]})
@@ -368,8 +369,8 @@ def for_group(group, timeout: float | None = None):
     made = None
     try:
         if not reasons:
-            made = ShmGroup(rank, world, [e["pid"] for e in everyone],
-                            timeout if timeout is not None else _group_timeout(pg), name=everyone[0]["name"])  # fmt: skip
+            timeout = timeout if timeout is not None else _group_timeout(pg)
+            made = ShmGroup(rank, world, [e["pid"] for e in everyone], timeout, name=everyone[0]["name"])
             made.map_peers([e["path"] for e in everyone])
             dist.barrier(group=pg)  # every rank has mapped every file: they can go
     finally:

@@ -262,7 +262,8 @@ class GradReducer:
             state.flat.add_to_grad(state.bucket, out, owned=True)  # already the mean: see [Note: 16-bit reduction]
         self._count(state.buffer, -1)
         buffer, made, state.buffer, state.made = state.buffer, state.made, None, False
-        if made and self.world_size > 1 and buffer.device.type == "cpu" and buffer.numel() * buffer.element_size() > SPARE_BYTES:
+        large = buffer.numel() * buffer.element_size() > SPARE_BYTES
+        if made and large and self.world_size > 1 and buffer.device.type == "cpu":
             self._spare.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
             self._spare_order.append((buffer.numel(), buffer.dtype, buffer.device))
             while len(self._spare_order) > self.max_in_flight + 1:  # the oldest goes

@@ -29,7 +29,9 @@ class GatherPool:
     is made, so the pool settles, within a step or two, on about as many storages as buffers
     gathered at once (the root, the running unit, the one prefetched), then stays. Where the
     private swap is missing, buffers are allocated and freed with `resize_` instead (`pooled`
-    False).
+    False). With `shm` (CPU ranks of one host), the storages of gathers that nothing else writes
+    are the ranks' shared ones, kept apart from this rank's own: [Note: gathered in shared memory]
+    in shm_comm.py. A token is (storage, its shared number, or None for this rank's own).
     """
 
     pooled = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
