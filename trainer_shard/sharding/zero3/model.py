@@ -40,7 +40,7 @@ class ShardedModel(Lifecycle, CallCheck):
             else:
                 by_unit[id(unit_module)].setdefault((key_of[p], p.dtype, p.requires_grad), []).append(p)
         self.pool = GatherPool(gather_pool, param_offload.buffer_count if param_offload else None,
-                               shm=comm.shared_memory_group(group))  # fmt: skip
+                               shm=lambda: comm.shared_memory_group(group))  # fmt: skip
         module_names = {id(m): name for name, m in model.named_modules()}
         check = self._check_same_call if self.world_size > 1 and check_calls else None
         groups = [ps for module in unit_modules for ps in by_unit[id(module)].values()]

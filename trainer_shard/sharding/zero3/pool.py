@@ -40,7 +40,10 @@ class GatherPool:
         if not enabled:
             self.pooled = False
         self.limit = limit  # at most this many storages, lent and free (parameter offload: buffer_count)
-        self.shm = shm if self.pooled else None  # the group's ShmGroup: [Note: gathered in shared memory]
+        # a callable returning the group's ShmGroup or None, called at the first shared gather (it is
+        # collective the first time, as that gather is): [Note: gathered in shared memory]
+        self._shm_of = shm if self.pooled else None
+        self.shm = None
         self.free = {}  # (nbytes, device, shared) -> [(UntypedStorage, its shared number or None)]
         self.uses = {}  # shared storage number -> gathers into it
         self.lent = 0
@@ -56,6 +59,8 @@ class GatherPool:
         if not self.pooled:
             storage.resize_(nbytes)
             return None
+        if shared and self._shm_of is not None and storage.device.type == "cpu":
+            self.shm, self._shm_of = self._shm_of(), None
         shared = shared and self.shm is not None and storage.device.type == "cpu"
         self.lent += 1
         slot = self._take(nbytes, storage.device, shared)
