@@ -65,18 +65,18 @@ def _uses_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _shared_memory(group, tensor: torch.Tensor):
-    """The group's shared-memory transport for CPU tensors on gloo, or None: see [Note:
-    shared-memory collectives] in shm_comm.py."""
-    return shm_comm.for_group(group) if tensor.device.type == "cpu" else None
-
-
 def shared_memory_group(group=None):
     """The group's shared-memory transport where its collectives of CPU tensors go through one,
-    else None. Collective the first time for a group (as its first collective is)."""
+    else None: see [Note: shared-memory collectives] in shm_comm.py. Collective the first time
+    for a group (as its first collective is)."""
     if not is_distributed(group) or not _uses_gloo(group):
         return None
     return shm_comm.for_group(group)
+
+
+def _shared_memory(group, tensor: torch.Tensor):
+    """The group's shared-memory transport for `tensor`'s collectives, or None."""
+    return shared_memory_group(group) if tensor.device.type == "cpu" else None
 
 
 class _Future:
@@ -120,7 +120,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
         output.copy_(input)
         return _Done() if async_op else None
     with record_function("trainer_shard::reduce_scatter"):
-        shm = _shared_memory(group, input) if _uses_gloo(group) else None
+        shm = _shared_memory(group, input)
         if shm is not None:
             handle = _Future(shm.submit(shm.reduce_scatter, output, input), "reduce_scatter")
         elif _uses_gloo(group):

@@ -81,15 +81,14 @@ class _BucketState:
         self.filled = set()
         self.launched = False
 
-    def ensure_buffer(self, spare: dict):
-        """The bucket's buffer (a spare one of its size when there is: see [Note: spare
+    def ensure_buffer(self, spare: list):
+        """The bucket's buffer (one of `spare` of its size when there is: see [Note: spare
         buckets]); every element gets written (gradients, or zeros by `zero_missing`)."""
         if self.buffer is None:
-            kept = spare.get((self.bucket.padded_numel, self.dtype, self.flat.buffer.device))
-            if kept:
-                self.buffer = kept.pop()
-            else:
-                self.buffer = torch.empty(self.bucket.padded_numel, dtype=self.dtype, device=self.flat.buffer.device)
+            numel, device = self.bucket.padded_numel, self.flat.buffer.device
+            kept = next((i for i, b in enumerate(spare) if b.numel() == numel and b.dtype == self.dtype
+                         and b.device == device), None)  # fmt: skip
+            self.buffer = spare.pop(kept) if kept is not None else torch.empty(numel, dtype=self.dtype, device=device)
             self.buffer[self.bucket.numel :].zero_()
             self.made = True
         return self.buffer
@@ -159,8 +158,7 @@ class GradReducer:
         self.next_bucket = 0
         self.in_flight = []
         self.callback_queued = False
-        self._spare = {}  # (numel, dtype, device) -> [bucket buffers done with]: see [Note: spare buckets]
-        self._spare_order = []  # their keys, one a buffer kept, oldest first
+        self._spare = []  # bucket buffers done with, oldest first: see [Note: spare buckets]
 
     def reset(self) -> None:
         """Drop a backward that never finished (it raised): reductions in flight are waited for and
@@ -264,22 +262,20 @@ class GradReducer:
         buffer, made, state.buffer, state.made = state.buffer, state.made, None, False
         large = buffer.numel() * buffer.element_size() > SPARE_BYTES
         if made and large and self.world_size > 1 and buffer.device.type == "cpu":
-            self._spare.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)
-            self._spare_order.append((buffer.numel(), buffer.dtype, buffer.device))
-            while len(self._spare_order) > self.max_in_flight + 1:  # the oldest goes
-                self._spare[self._spare_order.pop(0)].pop(0)
+            self._spare.append(buffer)
+            if len(self._spare) > self.max_in_flight + 1:  # the oldest goes
+                self._spare.pop(0)
             self.peak_spare_bytes = max(self.peak_spare_bytes, self.spare_bytes)
 
     @property
     def spare_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for kept in self._spare.values() for b in kept)
+        return sum(b.numel() * b.element_size() for b in self._spare)
 
     def _ensure_buffer(self, state):
-        key = (state.bucket.padded_numel, state.dtype, state.flat.buffer.device)
-        if state.buffer is None and self._spare.get(key):
-            self.reused += 1
-            self._spare_order.remove(key)
-        return state.ensure_buffer(self._spare)
+        spares = len(self._spare)
+        buffer = state.ensure_buffer(self._spare)
+        self.reused += spares - len(self._spare)
+        return buffer
 
     def _count(self, buffer, sign: int) -> None:
         self.bucket_bytes += sign * buffer.numel() * buffer.element_size()
