@@ -49,6 +49,7 @@ written: half the buffer a rank, nothing copied out.
 
 import logging
 import os
+import pathlib
 import platform
 import queue
 import socket
@@ -386,10 +387,7 @@ def for_group(group, timeout: float | None = None):
 
 def _unlink(path) -> None:
     if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        pathlib.Path(path).unlink(missing_ok=True)
 
 
 def _sweep() -> None:
