@@ -314,7 +314,9 @@ def _zero3_held() -> dict:
     whole = {id(p) for p in sharded.persistent}
     for step in range(2):
         ids = torch.randint(2, 301, (2, 7), generator=torch.Generator().manual_seed(step))
-        model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        at_forwards_end = sharded.held_parameter_bytes()  # the gather buffers alive: the root's and the pool's
+        loss.backward()
         persistent_grads = sum(p.grad.numel() * p.grad.element_size() for p in sharded.persistent)
         opt.step()
         opt.zero_grad()
@@ -322,7 +324,9 @@ def _zero3_held() -> dict:
                        for v in st.values() if v.dim() > 0) for kind in (True, False)}  # fmt: skip
     held = sharded.held_parameter_bytes()
     sharded.close()
-    return {"shards": held["shards"], "grad_shards": held["grad_shards"], "pool": held["pool"] + held["gathered"],
+    assert held["gathered"] == 0
+    return {"shards": held["shards"], "grad_shards": held["grad_shards"],
+            "pool": at_forwards_end["pool"] + at_forwards_end["gathered"],
             "persistent": held["persistent"] + persistent_grads + state[True],
             "optimizer": held["masters"] + state[False], "buckets": sharded.reducer.peak_bucket_bytes}  # fmt: skip
 

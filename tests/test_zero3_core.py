@@ -87,8 +87,12 @@ def train_sharded(rank, world_size, units, steps=STEPS, group=None, groups=False
         opt.step()
         opt.zero_grad()
         if step == 1:  # the first forward records the order, prefetch starts in the second
-            pool_size = sharded.pool.created
-    assert sharded.pool.created == pool_size, "gathering still allocates after the second step"
+            made, let_go = sharded.pool.created_bytes, sharded.pool.dropped_bytes
+    # after the second step a gather makes only what the root let go in each backward ([Note: the
+    # root let go in backward]; a root buffer may have had another unit's storage, up to twice
+    # its size): the pool neither grows nor allocates for the other units
+    made, let_go = sharded.pool.created_bytes - made, sharded.pool.dropped_bytes - let_go
+    assert made == let_go <= (steps - 2) * 2 * sum(part.nbytes for part in sharded.root.parts), (made, let_go)
     if world_size > 1:  # the ranks' gathered buffers were one memory: [Note: gathered in shared memory]
         assert shm_comm.for_group(group).zero_copy_gathers >= len(sharded.units) * steps
     return model, sharded, norms

@@ -242,6 +242,76 @@ def test_the_root_stays_gathered_from_its_forward_into_its_backward():
     assert root.state is UnitState.SHARDED
 
 
+class Tied(nn.Module):
+    """A language model's shape: the embedding tied to the output projection, both in the root."""
+
+    def __init__(self, vocab=512):  # the root larger than the blocks' buffers together
+        super().__init__()
+        self.embed = nn.Embedding(vocab, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(D, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_the_root_is_let_go_in_backward_once_backward_has_read_it():
+    """[Note: the root let go in backward] The head's backward reads the tied weight, the
+    embedding's does not: by the first block's backward the root is released and its memory let
+    go (not pooled), and the tied weight's gradient, which arrives last (both uses added), goes
+    into the released parameter. Trained as plain AdamW, with a second backward through a retained
+    graph (it reads the root's saved view after the release: gathered again) and a micro-batch
+    accumulated in `.grad` (`no_sync`: the gradient stays on the released parameter between
+    backwards)."""
+    torch.manual_seed(0)
+    plain = Tied()
+    model = copy.deepcopy(plain)
+    sharded = shard_model(model, units=[Block], persistence_threshold=0)
+    root, pool = sharded.root, sharded.pool
+    opt = ShardedOptimizer(list(model.parameters()), optim=torch.optim.AdamW, stage=3, lr=LR)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    seen = []
+
+    def at_the_first_block(module, args, output):
+        if torch.is_grad_enabled():
+            output.register_hook(lambda grad: seen.append((root.state, pool.dropped_bytes)))
+
+    model.blocks[0].register_forward_hook(at_the_first_block)
+    root_bytes = sum(part.nbytes for part in root.parts)
+    for step in range(STEPS):
+        ids = torch.randint(0, 512, (4, 6), generator=torch.Generator().manual_seed(step))
+        targets = torch.randint(0, 512, (4, 6), generator=torch.Generator().manual_seed(100 + step))
+        for net in (model, plain):
+            loss = lambda: F.cross_entropy(net(ids).flatten(0, 1), targets.flatten())  # noqa: E731
+            if step == 0:  # twice through one graph
+                graph = loss()
+                graph.backward(retain_graph=True)
+                graph.backward()
+            elif step == 1 and net is model:  # two micro-batches, the first kept in `.grad`
+                with opt.no_sync():
+                    loss().backward()
+                loss().backward()
+            else:
+                loss().backward()
+                if step == 1:
+                    loss().backward()
+        for o in (opt, plain_opt):
+            o.step()
+            o.zero_grad()
+        assert root.state is UnitState.SHARDED and pool.free_bytes < root_bytes, "the pool kept the root's memory"
+    # the second backward through the retained graph gathers the root again, for the rest of it
+    want = [UnitState.SHARDED, UnitState.GATHERED, *[UnitState.SHARDED] * 3]
+    assert [state for state, _ in seen] == want, "the root was gathered at the first block's backward"
+    assert seen[-1][1] - seen[0][1] >= 3 * root_bytes, "the root's memory went back to the pool, not let go"
+    assert_close(model.state_dict(), {k: v.detach() for k, v in plain.state_dict().items()})
+    # the root's parameter between uses is the empty tensor again, not the accumulation's stand-in
+    assert model.embed.weight.numel() == 0 and model.embed.weight.grad is None
+
+
 # ---- 4: a backward that raises --------------------------------------------------------------------
 
 
@@ -335,7 +405,8 @@ def test_a_unit_read_ahead_but_not_run_reads_the_stepped_weights(tmp_path):
 
 
 class Shared(nn.Module):
-    """Two checkpointed segments, both using the root's `shared` linear."""
+    """Three checkpointed segments, each using the root's `shared` linear, each ending in a tanh
+    (which saves its output: the segment's recompute runs before its block's pre-backward)."""
 
     def __init__(self, reentrant):
         super().__init__()
@@ -347,7 +418,7 @@ class Shared(nn.Module):
     def forward(self, x):
         h = x
         for block in self.blocks:
-            h = checkpoint(lambda t, b=block: b(self.shared(t)), h, use_reentrant=self.reentrant)
+            h = checkpoint(lambda t, b=block: torch.tanh(b(self.shared(t))), h, use_reentrant=self.reentrant)
         return self.head(h)
 
 
@@ -355,7 +426,10 @@ class Shared(nn.Module):
 def test_checkpointed_segments_sharing_a_parameter(reentrant, monkeypatch):
     """The root's parameter gets a gradient in each segment's backward: the reducer adds them (the
     second overwrote the first: 5.64 off), and each bucket is reduced once a backward (it was
-    reduced at each segment's end: 49 reductions for 7 buckets)."""
+    reduced at each segment's end: 49 reductions for 7 buckets). The recompute reads the root in
+    backward, before the block's pre-backward, where the root's saved views are all read: it keeps
+    the root to the end of backward ([Note: the root let go in backward]; let go there, the
+    recomputed segment read the released buffer)."""
     from trainer_shard import comm
 
     torch.manual_seed(0)

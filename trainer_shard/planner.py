@@ -254,33 +254,38 @@ class Units:
         return max(inner, default=root)
 
     def pool_numel(self) -> int:
-        """Elements of the gather buffers `GatherPool` keeps once settled: the gathers of three
-        steps played through its rule (`choose_storage`). The root stays gathered from its forward
-        through its backward; each unit is gathered with the next one prefetched, in order in
-        forward and in reverse in backward, and released after its own pass."""
+        """Elements of the gather buffers alive at the end of forward once `GatherPool` has
+        settled (the gathers of three steps played through its rule, `choose_storage`): the
+        root's, gathered from its forward into the start of its backward and let go there, not
+        kept ([Note: the root let go in backward] in sharding/zero3/lifecycle.py), and the
+        storages the pool keeps for the other units; each unit is gathered with the next one
+        prefetched, in order in forward and in reverse in backward, and released after its own
+        pass."""
         from .sharding.zero3.pool import choose_storage
 
-        events = [(True, "root", self.root)] if self.root else []  # (gathered, or released; which; size)
-        for direction, sizes in (("forward", self.inner), ("backward", self.inner[::-1])):
+        forward, backward = [], []  # (gathered, or released; which; size)
+        for events, direction, sizes in ((forward, "forward", self.inner), (backward, "backward", self.inner[::-1])):
             for i, size in enumerate(sizes):
                 if i == 0:
                     events.append((True, (direction, 0), size))
                 if i + 1 < len(sizes):
                     events.append((True, (direction, i + 1), sizes[i + 1]))
                 events.append((False, (direction, i), size))
-        if self.root:
-            events.append((False, "root", self.root))
-        free, lent = [], {}
+        root = [(True, "root", self.root)] if self.root else []
+        free, lent, alive = [], {}, 0
         for _ in range(3):
-            for gathered, key, size in events:
-                if not gathered:
+            for gathered, key, size in [*root, *forward, (None, None, 0), *backward]:
+                if gathered is None:  # the end of forward
+                    alive = sum(free) + sum(lent.values())
+                    lent.pop("root", None)  # let go in backward: the pool does not keep it
+                elif not gathered:
                     free.append(lent.pop(key))
-                    continue
-                take, drop = choose_storage(free, size)
-                if take is not None or drop is not None:
-                    free.remove(take if take is not None else drop)
-                lent[key] = take if take is not None else size
-        return sum(free)
+                else:
+                    take, drop = choose_storage(free, size)
+                    if take is not None or drop is not None:
+                        free.remove(take if take is not None else drop)
+                    lent[key] = take if take is not None else size
+        return alive
 
 
 def zero3_units(config, world_size: int, persistence_threshold: int | None = None, lora: dict | None = None) -> Units:
@@ -381,7 +386,7 @@ def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
     """zero_dp_3's bytes per rank by part, as the engine names them (`held_parameter_bytes`):
     "shards" (w bytes), "grad_shards" (the trainable elements'; fp32, offloaded: w, as zero_dp_2's
     store keeps them), "persistent" (whole, with the trainable ones' gradients and AdamW state in
-    their dtype), "pool" (the gather buffers), "buckets" (3 units' gradients being reduced: the one
+    their dtype), "pool" (the gather buffers alive at the end of forward: `Units.pool_numel`), "buckets" (3 units' gradients being reduced: the one
     filling and `GradReducer`'s 2 in flight) and "optimizer" (fp32 masters for 16-bit or offloaded
     trainable shards, AdamW's moments: on the device, or in the offload store). `w`: the
     parameters' bytes an element."""
@@ -794,8 +799,8 @@ def zero3_note(units: Units) -> str:
         wrap = (f"one unit per {', '.join(units.classes)} (the model's _no_split_modules): {len(units.inner)} "
                 f"units of up to {units.largest / m:.2f} M elements, the rest")  # fmt: skip
     return (f"zero_dp_3 (auto_wrap): {wrap} the root unit of {units.root / m:.2f} M elements, gathered through "
-            f"forward and backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
-            f"kept: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient and optimizer "
+            f"forward into backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
+            f"at the end of forward: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient and optimizer "
             f"shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
             "buffers of at most that many units in RAM; max_in_cpu 0)" + _trainable_note(units))  # fmt: skip
 

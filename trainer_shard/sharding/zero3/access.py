@@ -36,8 +36,11 @@ class ShardedParameters(dict):
     def __getitem__(self, name):
         param = dict.__getitem__(self, name)
         part = _part(param)
-        if part is not None and part.state is not UnitState.GATHERED:
-            part.unit.sharded.fetch_external(param, part)
+        if part is not None:
+            if part.state is not UnitState.GATHERED:
+                part.unit.sharded.fetch_external(param, part)
+            elif part.unit is part.unit.sharded.root:  # [Note: the root let go in backward]
+                part.unit.sharded.root_read()
         return param
 
 

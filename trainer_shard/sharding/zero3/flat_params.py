@@ -211,8 +211,9 @@ class FlatParams(GradShard):
             self.state = UnitState.GATHERED
             self.expose()
 
-    def release(self) -> None:
-        """Free the flat buffer (this rank's shard stays). Not collective."""
+    def release(self, drop: bool = False) -> None:
+        """Free the flat buffer (this rank's shard stays); with `drop`, its memory is let go, not
+        kept in the pool. Not collective."""
         if self.pending is not None:  # a prefetch never used: let it land first
             self.pending.wait()
             self.pending = None
@@ -222,7 +223,7 @@ class FlatParams(GradShard):
         if self.state is UnitState.GATHERED:
             self.hide()
         if self.state is not UnitState.SHARDED:
-            self.pool.detach(self.buffer, self.slot)
+            self.pool.detach(self.buffer, self.slot, drop)
             self.slot = None
         self.state = UnitState.SHARDED
 

@@ -16,7 +16,8 @@ def choose_storage(free: list, size: int) -> tuple:
 
 
 class GatherPool:
-    """Storages for gathered flat buffers, reused: after the first step no gather allocates.
+    """Storages for gathered flat buffers, reused: after the first steps no gather allocates but
+    the root's, whose memory is let go in each backward ([Note: the root let go in backward]).
 
     A flat buffer keeps its own (empty) storage, so the parameters and autograd's saved views
     keep pointing at it; gathering swaps a pool storage's memory into it
@@ -27,7 +28,7 @@ class GatherPool:
     through the start of backward, ZeRO-3's peak (44 MB of 1.45 GiB on t5-small through the
     Trainer). When none fits, a free smaller one (at least half the size) is dropped before one
     is made, so the pool settles, within a step or two, on about as many storages as buffers
-    gathered at once (the root, the running unit, the one prefetched), then stays. Where the
+    gathered at once (the running unit, the one prefetched), then stays. Where the
     private swap is missing, buffers are allocated and freed with `resize_` instead (`pooled`
     False). With `shm` (CPU ranks of one host), the storages of gathers that nothing else writes
     are the ranks' shared ones, kept apart from this rank's own: [Note: gathered in shared memory]
@@ -74,15 +75,19 @@ class GatherPool:
         storage._swap_data_ptr_(slot[0])  # now the token's storage is the empty one
         return slot
 
-    def detach(self, buffer: torch.Tensor, token) -> None:
-        """Take the memory back from `buffer`, which is left with an empty storage."""
+    def detach(self, buffer: torch.Tensor, token, drop: bool = False) -> None:
+        """Take the memory back from `buffer`, which is left with an empty storage; with `drop`,
+        let that memory go instead of keeping it for the next attach."""
         storage = buffer.untyped_storage()
         if token is None:
             storage.resize_(0)
             return
         storage._swap_data_ptr_(token[0])
         self.lent -= 1
-        self.free.setdefault(self._key(token), []).append(token)
+        if drop:
+            self._let_go(token)
+        else:
+            self.free.setdefault(self._key(token), []).append(token)
 
     def gather_token(self, token, nbytes: int):
         """What `comm.all_gather(shared=)` wants for a gather into the buffer attached with

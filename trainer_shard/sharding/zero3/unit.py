@@ -21,7 +21,10 @@ and the iteration moves it through phases (`Phase`), each transition made by one
   its externals too, and prefetches the unit before it;
 - BACKWARD -> IDLE: the post-backward hook (its inputs' gradients are all computed, so nothing of
   its backward is left to read its parameters) releases it, frozen or not. A unit none of whose
-  inputs requires grad (the first layer, the root) is released at the end of backward;
+  inputs requires grad (the first layer) is released at the end of backward; the root, at the
+  first unit's pre-backward after backward has read every view of it that forward saved, its
+  memory let go, not pooled ([Note: the root let go in backward] in lifecycle.py), else at the
+  end of backward;
 - the end of backward (an autograd engine callback, queued once per iteration, from the
   outermost backward) reduces what is left, averages the persistent gradients and releases
   every unit not held;
@@ -107,9 +110,9 @@ class Unit:
         for part in self.parts:
             part.wait()
 
-    def release(self) -> None:
+    def release(self, drop: bool = False) -> None:
         for part in self.parts:
-            part.release()
+            part.release(drop)
         self.phase = Phase.IDLE
 
     def param_name(self, param) -> str:
