@@ -10,10 +10,10 @@ Rounds are interleaved (every model and strategy once a round, in the same order
 gives each run's median `train_runtime` over the rounds with its spread (min-max), the ratios
 zero_dp_2 / DDP and zero_dp_3 / zero_dp_2 within the same rounds, each rank's peak RSS (the larger
 of the two, median) and how many times the run handed the heap back to the OS after the Trainer
-was built (`trainer_shard.memory.release_freed_memory`, glibc's malloc_trim), counted in each rank, inside
-the training steps and in all. Issue 36
-asks zero_dp_3 <= 1.05x zero_dp_2 and zero_dp_2 <= 1.02x DDP, ZeRO-3's peak below ZeRO-2's and no
-trim call in the steps. Not a test: minutes. Run nothing else meanwhile.
+was built (`trainer_shard.memory.release_freed_memory`, glibc's malloc_trim), counted in each
+rank, inside the training steps and in all. Issue 36 asks zero_dp_3 <= 1.05x zero_dp_2 and
+zero_dp_2 <= 1.02x DDP, ZeRO-3's peak below ZeRO-2's and no trim call in the steps. Not a test:
+minutes. Run nothing else meanwhile.
 """
 
 import argparse

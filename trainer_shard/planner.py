@@ -386,10 +386,10 @@ def zero3_parts(offload, units: Units | None, world: int, w: int) -> dict:
     """zero_dp_3's bytes per rank by part, as the engine names them (`held_parameter_bytes`):
     "shards" (w bytes), "grad_shards" (the trainable elements'; fp32, offloaded: w, as zero_dp_2's
     store keeps them), "persistent" (whole, with the trainable ones' gradients and AdamW state in
-    their dtype), "pool" (the gather buffers alive at the end of forward: `Units.pool_numel`), "buckets" (3 units' gradients being reduced: the one
-    filling and `GradReducer`'s 2 in flight) and "optimizer" (fp32 masters for 16-bit or offloaded
-    trainable shards, AdamW's moments: on the device, or in the offload store). `w`: the
-    parameters' bytes an element."""
+    their dtype), "pool" (the gather buffers alive at the end of forward: `Units.pool_numel`),
+    "buckets" (3 units' gradients being reduced: the one filling and `GradReducer`'s 2 in flight)
+    and "optimizer" (fp32 masters for 16-bit or offloaded trainable shards, AdamW's moments: on
+    the device, or in the offload store). `w`: the parameters' bytes an element."""
     if units is None or units.world_size != world:
         raise ValueError(f"zero_dp_3 needs its units for {world} ranks: zero3_units(config, {world})")
     from .sharding.reducer import MAX_16BIT_RANKS
@@ -800,8 +800,8 @@ def zero3_note(units: Units) -> str:
                 f"units of up to {units.largest / m:.2f} M elements, the rest")  # fmt: skip
     return (f"zero_dp_3 (auto_wrap): {wrap} the root unit of {units.root / m:.2f} M elements, gathered through "
             f"forward into backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
-            f"at the end of forward: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient and optimizer "
-            f"shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
+            f"at the end of forward: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient "
+            f"and optimizer shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
             "buffers of at most that many units in RAM; max_in_cpu 0)" + _trainable_note(units))  # fmt: skip
 
 

@@ -231,7 +231,8 @@ class Lifecycle:
     # root gathered for a forward with grad is released, early or at the end of backward, so every
     # rank's pool holds the same storages whichever hook let it go (their shared storages are
     # numbered in the order made: [Note: gathered in shared memory]); the next forward's gather
-    # maps it anew (about 40 ms a step for t5-small's 66 MB on this CPU: bench/results/
+    # maps it anew (66 MB in /dev/shm, made, first written and let go: about 50 ms of one
+    # process's time on an AMD EPYC, against 8 ms to write a used one; bench/results/
     # trainer_speed.md). A root parameter's gradient arrives after all its uses (the tied weight's
     # three), into a released parameter, and accumulating needs its shape: its hooks give it a
     # stand-in of that shape and no memory for the accumulation only (`_shape_for_accumulation`,
