@@ -801,8 +801,8 @@ def zero3_note(units: Units) -> str:
     return (f"zero_dp_3 (auto_wrap): {wrap} the root unit of {units.root / m:.2f} M elements, gathered through "
             f"forward into backward; {units.persistent / m:.2f} M elements kept whole on every rank; gather buffers "
             f"at the end of forward: {units.pool_numel() / m:.2f} M elements. {PARAM_OFFLOAD}: parameter, gradient "
-            f"and optimizer shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: the gather "
-            "buffers of at most that many units in RAM; max_in_cpu 0)" + _trainable_note(units))  # fmt: skip
+            f"and optimizer shards in files (offload_param nvme, buffer_count {AUTO_PARAM_OFFLOAD['buffer_count']}: "
+            "the gather buffers of at most that many units in RAM; max_in_cpu 0)" + _trainable_note(units))  # fmt: skip
 
 
 def _trainable_note(units: Units) -> str:

@@ -245,7 +245,7 @@ class Lifecycle:
         if (self._root_trained and self._root_views == 0 and not self._root_read and root.holds == 0
                 and root.state is UnitState.GATHERED and root not in self._running and not self._saved_hooks
                 and root not in self._backward_external):  # fmt: skip
-            self._release_root()
+            root.release(drop=True)
 
     def root_read(self) -> None:
         """A module read a parameter of the gathered root (`access.ShardedParameters`): in backward,
@@ -253,9 +253,6 @@ class Lifecycle:
         view of it, so the root stays to the end of this backward."""
         if in_backward():
             self._root_read = True
-
-    def _release_root(self) -> None:
-        self.root.release(drop=self._root_trained)
 
     def _root_grad_taken(self, param) -> None:
         part = param._trainer_shard_zero3[1]
@@ -285,7 +282,7 @@ class Lifecycle:
         self.reducer.finish()
         for unit in [*self.units, *self._backward_external]:  # also a prefetch whose unit had no backward
             if unit.holds == 0 and unit.gathered:  # a read ahead stays: the step drops it if it writes the shard
-                self._release_root() if unit is self.root else unit.release()
+                unit.release(drop=unit is self.root and self._root_trained)
             unit.phase = Phase.IDLE
             unit.external.clear()
         self._backward_external.clear()
@@ -317,7 +314,7 @@ class Lifecycle:
         self._root_views, self._root_read = 0, False
         for unit in self.units:
             if unit.holds == 0 and unit.gathered:
-                self._release_root() if unit is self.root else unit.release()
+                unit.release(drop=unit is self.root and self._root_trained)
             unit.phase = Phase.IDLE
             unit.external.clear()
         self._backward_external.clear()
