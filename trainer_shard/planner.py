@@ -257,7 +257,7 @@ class Units:
         """Elements of the gather buffers alive at the end of forward once `GatherPool` has
         settled (the gathers of three steps played through its rule, `choose_storage`): the
         root's, gathered from its forward into the start of its backward and let go there, not
-        kept ([Note: the root let go in backward] in sharding/zero3/lifecycle.py), and the
+        kept ([Note: the root let go in backward] in sharding/zero3/root.py), and the
         storages the pool keeps for the other units; each unit is gathered with the next one
         prefetched, in order in forward and in reverse in backward, and released after its own
         pass."""

@@ -26,8 +26,9 @@ The files, in the order data flows:
 - `model.py`: `ShardedModel`, the state of one sharded model and what the optimizer asks of it.
 - `unit.py`: a unit, its states and phases: [Note: unit lifecycle].
 - `lifecycle.py`: the hooks that move units through forward and backward, prefetch, the end of
-  backward and the per-iteration reset; `calls.py`: the check before each gather that every rank
-  gathers the same unit: [Note: diverging calls].
+  backward and the per-iteration reset; `root.py`: when backward lets the root go: [Note: the
+  root let go in backward]; `calls.py`: the check before each gather that every rank gathers the
+  same unit: [Note: diverging calls].
 - `access.py`: parameters read outside their unit's hooks, state_dict and load_state_dict:
   [Note: external parameters].
 - `flat_params.py`: one flat buffer's gather side: [Note: free and re-gather], [Note: a

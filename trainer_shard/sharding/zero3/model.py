@@ -16,10 +16,11 @@ from . import access
 from .flat_params import FlatParams
 from .calls import CallCheck
 from .lifecycle import Lifecycle
+from .root import RootRelease
 from .unit import Phase, Unit
 
 
-class ShardedModel(Lifecycle, CallCheck):
+class ShardedModel(Lifecycle, RootRelease, CallCheck):
     """The ZeRO-3 state of a model; see the package docstring. Built by `shard_model`."""
 
     def __init__(self, model, unit_modules: list, owner: dict, names: dict, group, persistence_threshold: int,

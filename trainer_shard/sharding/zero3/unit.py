@@ -23,7 +23,7 @@ and the iteration moves it through phases (`Phase`), each transition made by one
   its backward is left to read its parameters) releases it, frozen or not. A unit none of whose
   inputs requires grad (the first layer) is released at the end of backward; the root, at the
   first unit's pre-backward after backward has read every view of it that forward saved, its
-  memory let go, not pooled ([Note: the root let go in backward] in lifecycle.py), else at the
+  memory let go, not pooled ([Note: the root let go in backward] in root.py), else at the
   end of backward;
 - the end of backward (an autograd engine callback, queued once per iteration, from the
   outermost backward) reduces what is left, averages the persistent gradients and releases
