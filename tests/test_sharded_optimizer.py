@@ -62,7 +62,16 @@ def run_steps(model, opt, rank, *, steps=4, accumulation=2, clip=0.5, sharded=Fa
 def check_parity(rank, world_size, stage):
     from trainer_shard.sharding import reducer
 
-    reducer.SPARE_BYTES = 0  # every bucket buffer kept for reuse ([Note: spare buckets]), not only > 32 MiB
+    # every bucket buffer kept for reuse ([Note: spare buckets]), not only past 32 MiB; put back
+    # after: the ranks are kept for the next tests (distributed.py)
+    previous, reducer.SPARE_BYTES = reducer.SPARE_BYTES, 0
+    try:
+        _check_parity(rank, world_size, stage)
+    finally:
+        reducer.SPARE_BYTES = previous
+
+
+def _check_parity(rank, world_size, stage):
     reference = DDP(make_model())
     ref_opt = torch.optim.AdamW(groups(reference.module), lr=3e-2)
     ours = make_model(seed=0 if rank == 0 else 7)  # rank 0's weights must win: the constructor broadcasts them

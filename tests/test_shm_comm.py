@@ -192,11 +192,11 @@ def spare_buckets(rank, world_size):
 
     from trainer_shard.sharding import reducer
 
-    reducer.SPARE_BYTES = 0
+    previous, reducer.SPARE_BYTES = reducer.SPARE_BYTES, 0
     try:
         model, sharded = train(rank, world_size, n=6)
     finally:
-        reducer.SPARE_BYTES = 32 * 2**20
+        reducer.SPARE_BYTES = previous
     grads = sharded.reducer
     most = (grads.max_in_flight + 1) * max(s.bucket.padded_numel for s in grads.states) * 4
     assert grads.reused > 0 and 0 < grads.peak_spare_bytes <= most and grads.spare_bytes == 0

@@ -95,6 +95,8 @@ def train_sharded(rank, world_size, units, steps=STEPS, group=None, groups=False
     assert made == let_go <= (steps - 2) * 2 * sum(part.nbytes for part in sharded.root.parts), (made, let_go)
     if world_size > 1:  # the ranks' gathered buffers were one memory: [Note: gathered in shared memory]
         assert shm_comm.for_group(group).zero_copy_gathers >= len(sharded.units) * steps
+        # the gather counts of the storages let go (a root's each step) go with them
+        assert set(sharded.pool.uses) <= {token[1] for slots in sharded.pool.free.values() for token in slots}
     return model, sharded, norms
 
 

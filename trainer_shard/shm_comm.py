@@ -268,6 +268,7 @@ class ShmGroup:
         seq = self._next()
         mine = self.counters[self.rank]
         number, use, nbytes = token
+        n = input.numel()
         mine[_STORAGE], mine[_USE], mine[_NBYTES] = number, use, nbytes
         mine[_ANNOUNCED] = seq
         said = {}
@@ -282,7 +283,7 @@ class ShmGroup:
             raise ShmCollectiveError("the ranks gathered into different buffers (rank: (buffer, its use, bytes) "
                                      f"{said}): their gathers no longer pair up")  # fmt: skip
         if len(shared) == 1 and all(t[0] >= 0 for t in said.values()):
-            n = input.numel()  # the same buffer on every rank: each writes its part, and the gather is done
+            # the same buffer on every rank: each writes its part, and the gather is done
             output.view(-1)[self.rank * n : (self.rank + 1) * n].copy_(input.reshape(-1))
             mine[_WRITTEN] = seq
             for peer in range(self.world):
@@ -292,7 +293,6 @@ class ShmGroup:
             self.zero_copy_gathers += 1
             return
         mine[_WRITTEN] = mine[_READ] = seq  # a rank with its own memory there: through the slots
-        n = input.numel()
         mine_part = output.view(-1)[self.rank * n : (self.rank + 1) * n]
         if mine_part.data_ptr() != input.data_ptr():
             mine_part.copy_(input.reshape(-1))

@@ -68,10 +68,7 @@ class GatherPool:
         if slot is None:
             if self.limit is not None and self.lent + self.free_count > self.limit:
                 self._drop_one()  # a free storage of another size goes: the limit counts storages
-            slot = self.shm.new_storage(nbytes) if shared else (torch.UntypedStorage(nbytes, device=storage.device),
-                                                                None)  # fmt: skip
-            self.created += 1
-            self.created_bytes += nbytes
+            slot = self._new(nbytes, storage.device, shared)
         storage._swap_data_ptr_(slot[0])  # now the token's storage is the empty one
         return slot
 
@@ -107,17 +104,19 @@ class GatherPool:
             return token
         storage = buffer.untyped_storage()
         nbytes = storage.nbytes()
-        own = self._take(nbytes, storage.device, False)
-        if own is None:
-            own = (torch.UntypedStorage(nbytes, device=storage.device), None)
-            self.created += 1
-            self.created_bytes += nbytes
+        own = self._take(nbytes, storage.device, False) or self._new(nbytes, storage.device, False)
         storage._swap_data_ptr_(token[0])  # the shared memory back in the token, the buffer empty
         storage._swap_data_ptr_(own[0])  # the buffer takes its own memory, `own` is empty: the new token
         as_bytes = lambda st: torch.empty(0, dtype=torch.uint8, device=st.device).set_(st)  # noqa: E731
         as_bytes(storage)[: token[0].nbytes()].copy_(as_bytes(token[0]))  # `own` may be larger (up to twice)
         self.free.setdefault(self._key(token), []).append(token)
         return own
+
+    def _new(self, nbytes: int, device, shared: bool):
+        """A new storage's token: shared (`ShmGroup.new_storage`) or this rank's own."""
+        self.created += 1
+        self.created_bytes += nbytes
+        return self.shm.new_storage(nbytes) if shared else (torch.UntypedStorage(nbytes, device=device), None)
 
     def _key(self, token) -> tuple:
         """A free storage's list: (bytes, device, shared)."""
@@ -148,6 +147,7 @@ class GatherPool:
         self.dropped_bytes += token[0].nbytes()
         if token[1] is not None:
             self.shm.forget(token[1])
+            self.uses.pop(token[1], None)  # one storage made a step (the root's): the count goes with it
 
     @property
     def free_bytes(self) -> int:
@@ -156,4 +156,5 @@ class GatherPool:
     def clear(self) -> None:
         for token in (token for slots in self.free.values() for token in slots if token[1] is not None):
             self.shm.forget(token[1])
+            self.uses.pop(token[1], None)
         self.free = {}

@@ -16,9 +16,8 @@ second backward through a retained graph: `_backward_external`). Its memory goes
 root gathered for a forward with grad is released, early or at the end of backward, so every
 rank's pool holds the same storages whichever hook let it go (their shared storages are
 numbered in the order made: [Note: gathered in shared memory]); the next forward's gather
-maps it anew (66 MB in /dev/shm, made, first written and let go: about 50 ms of one
-process's time on an AMD EPYC, against 8 ms to write a used one; bench/results/
-trainer_speed.md). A root parameter's gradient arrives after all its uses (the tied weight's
+maps it anew (t5-small's 66 MB made, first written and let go in 52 ms of one process's
+time, against 7 ms to write a reused one, on an AMD EPYC: bench/results/shm_storage.md). A root parameter's gradient arrives after all its uses (the tied weight's
 three), into a released parameter, and accumulating needs its shape: its hooks give it a
 stand-in of that shape and no memory for the accumulation only (`_shape_for_accumulation`,
 `_root_grad_taken`). Not done, the root pooled and kept to the end of backward, where it is
